@@ -1,0 +1,1 @@
+"""Example YAML configs for `kimi-rl`; `quickstart.yaml` is the embedded default."""

@@ -1,0 +1,286 @@
+"""`kimi-rl parity check`: sample in vLLM, re-score the same tokens in Megatron, compare.
+
+Flow: validate every input before any engine starts; sample completions for each batch size
+with one vLLM engine (temperature 1, engine-seeded); close it; score exactly those tokens with
+the Megatron trainer (in different batches than vLLM used); compare bit for bit; print a
+table; write report.json + HTML + PNGs; exit 1 on any mismatch when parity is on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from parity.compare import compare_logprobs
+from rl.errors import UserError
+
+BUILTIN_PROMPTS = [
+    "The quick brown fox",
+    "Question: what is 12 + 7? Answer:",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+    "The capital of France is",
+    "List three prime numbers:",
+    "In reinforcement learning, the policy",
+    "A",
+    "Translate to French: good morning",
+    "The sum of the first ten positive integers is",
+    "Rain fell on the old stone bridge while",
+    "Step 1: preheat the oven. Step 2:",
+]
+
+
+@dataclass
+class CheckArgs:
+    model: Path
+    dtype: str
+    prompts: Path | None
+    num_prompts: int
+    max_tokens: int
+    batch_sizes: list[int]
+    parity: bool
+    seed: int
+    report: Path | None
+    max_num_batched_tokens: int | None
+
+
+def add_parity_commands(subparsers) -> None:
+    parity = subparsers.add_parser("parity", help="log-prob parity between vLLM and Megatron")
+    sub = parity.add_subparsers(dest="parity_command", required=True, parser_class=type(parity))
+    check = sub.add_parser("check", help="sample in vLLM, re-score in Megatron, compare bitwise")
+    check.add_argument("--model", required=True, help="HF checkpoint directory")
+    check.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    check.add_argument("--prompts", help="JSONL file: one {\"prompt\": str} or {\"prompt_ids\": [int]} per line")
+    check.add_argument("--num-prompts", type=int, default=8)
+    check.add_argument("--max-tokens", type=int, default=32)
+    check.add_argument("--batch-sizes", default="1,8,32", help="comma-separated, e.g. 1,8,32")
+    check.add_argument("--parity", choices=["on", "off"], default="on")
+    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--report", help="directory for report.json, index.html and plots")
+    check.add_argument(
+        "--max-num-batched-tokens", type=int, default=None,
+        help="vLLM scheduler token budget per step; small values force chunked prefill",
+    )
+    check.set_defaults(func=run_check_command)
+
+
+def _parse_batch_sizes(text: str) -> list[int]:
+    sizes = []
+    for part in text.split(","):
+        try:
+            size = int(part)
+        except ValueError:
+            raise UserError(f"--batch-sizes: {part.strip()!r} is not an integer") from None
+        if size < 1:
+            raise UserError(f"--batch-sizes: batch size must be >= 1, got {size}")
+        sizes.append(size)
+    return sizes
+
+
+def load_prompt_file(path: Path) -> list[dict]:
+    """Each non-blank line: {"prompt": str} or {"prompt_ids": [int, ...]}."""
+    if not path.is_file():
+        raise UserError(f"--prompts: {path} does not exist")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: invalid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: expected a JSON object with 'prompt' or 'prompt_ids'")
+        if "prompt_ids" in row:
+            ids = row["prompt_ids"]
+            if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
+                raise UserError(f"{where}: 'prompt_ids' must be a non-empty list of token ids")
+        elif "prompt" in row:
+            if not isinstance(row["prompt"], str) or not row["prompt"]:
+                raise UserError(f"{where}: 'prompt' must be a non-empty string")
+        else:
+            raise UserError(f"{where}: expected a 'prompt' or 'prompt_ids' field")
+        rows.append(row)
+    if not rows:
+        raise UserError(f"--prompts: {path} has no prompts")
+    return rows
+
+
+def validate(ns: argparse.Namespace) -> CheckArgs:
+    from rl.models import validate_model_dir
+
+    model = Path(ns.model)
+    validate_model_dir(model)
+    if ns.num_prompts < 1:
+        raise UserError(f"--num-prompts must be >= 1, got {ns.num_prompts}")
+    if ns.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {ns.max_tokens}")
+    if ns.max_num_batched_tokens is not None and ns.max_num_batched_tokens < 1:
+        raise UserError("--max-num-batched-tokens must be >= 1")
+    prompts = Path(ns.prompts) if ns.prompts else None
+    if prompts is not None:
+        load_prompt_file(prompts)  # fail on a bad line before any engine starts
+    report = Path(ns.report) if ns.report else None
+    if report is not None and report.exists() and not report.is_dir():
+        raise UserError(f"--report: {report} exists and is not a directory")
+    return CheckArgs(
+        model=model, dtype=ns.dtype, prompts=prompts, num_prompts=ns.num_prompts,
+        max_tokens=ns.max_tokens, batch_sizes=_parse_batch_sizes(ns.batch_sizes),
+        parity=ns.parity == "on", seed=ns.seed, report=report,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+    )
+
+
+def prompt_token_ids(args: CheckArgs) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    rows = load_prompt_file(args.prompts) if args.prompts else [{"prompt": p} for p in BUILTIN_PROMPTS]
+    tokenizer = None
+    prompts = []
+    for row in (rows[i % len(rows)] for i in range(args.num_prompts)):
+        if "prompt_ids" in row:
+            prompts.append(list(row["prompt_ids"]))
+            continue
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(args.model))
+        prompts.append(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] or [0])
+    return prompts
+
+
+def batches_for(num_prompts: int, batch_size: int) -> list[list[int]]:
+    """Full batches of `batch_size` prompt indices, cycling through the prompts, so each prompt
+    lands at different batch positions for different batch sizes."""
+    count = -(-num_prompts // batch_size)
+    return [[(k * batch_size + j) % num_prompts for j in range(batch_size)] for k in range(count)]
+
+
+def run_check(args: CheckArgs, console=None) -> dict:
+    """Run the check; returns the report dict (see README for the fields)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from parity.model_spec import ModelSpec
+    from rollout.engine import RolloutEngine
+
+    console = console or Console(stderr=True)
+    spec = ModelSpec.from_dir(args.model)
+    prompts = prompt_token_ids(args)
+    too_long = max(len(p) for p in prompts) + args.max_tokens
+    if too_long > spec.max_position_embeddings:
+        raise UserError(
+            f"prompt + --max-tokens is {too_long} tokens, above the model's "
+            f"max_position_embeddings {spec.max_position_embeddings}"
+        )
+    for p in prompts:
+        if max(p) >= spec.vocab_size:
+            raise UserError(f"prompt token id {max(p)} is outside the vocabulary ({spec.vocab_size})")
+
+    t0 = time.perf_counter()
+    samples: dict[int, list] = {}
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("starting vLLM", total=None)
+        with RolloutEngine(
+            str(args.model), dtype=args.dtype, parity=args.parity, seed=args.seed,
+            max_model_len=min(spec.max_position_embeddings, too_long + 1),
+            max_num_seqs=max(args.batch_sizes),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        ) as engine:
+            plan = [(bs, idx) for bs in args.batch_sizes for idx in batches_for(len(prompts), bs)]
+            progress.update(task, description="sampling in vLLM", total=len(plan), completed=0)
+            for bs, idx in plan:
+                samples.setdefault(bs, []).extend(
+                    engine.generate([prompts[i] for i in idx], max_tokens=args.max_tokens)
+                )
+                progress.advance(task)
+    rollout_seconds = time.perf_counter() - t0
+
+    from trainer.logprobs import sequence_logprobs
+    from trainer.megatron_patches import init_megatron
+    from trainer.model import load_model
+
+    t1 = time.perf_counter()
+    init_megatron(seed=args.seed)
+    model = load_model(args.model, args.dtype, parity=args.parity).eval()
+    completions = [c for bs in args.batch_sizes for c in samples[bs]]
+    train_logprobs = []
+    with torch.no_grad(), Progress(console=console, transient=True) as progress:
+        task = progress.add_task("re-scoring in Megatron", total=len(completions))
+        step = 8
+        for i in range(0, len(completions), step):
+            chunk = completions[i : i + step]
+            train_logprobs += sequence_logprobs(
+                model, [c.prompt_ids + c.token_ids for c in chunk], [len(c.prompt_ids) for c in chunk]
+            )
+            progress.advance(task, len(chunk))
+    train_seconds = time.perf_counter() - t1
+
+    per_bs, offset = {}, 0
+    for bs in args.batch_sizes:
+        n = len(samples[bs])
+        stats = compare_logprobs(
+            [c.rollout_logprobs for c in samples[bs]], train_logprobs[offset : offset + n]
+        )
+        per_bs[str(bs)] = stats.to_dict()
+        offset += n
+    total = compare_logprobs([c.rollout_logprobs for c in completions], train_logprobs)
+    report = {
+        "model": str(args.model),
+        "dtype": args.dtype,
+        "parity": "on" if args.parity else "off",
+        "seed": args.seed,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "batch_sizes": args.batch_sizes,
+        **total.to_dict(),
+        "passed": total.all_equal,
+        "per_batch_size": per_bs,
+        "seconds": {"rollout": round(rollout_seconds, 2), "train": round(train_seconds, 2)},
+    }
+    diffs = [
+        (c.rollout_logprobs - t).abs() for c, t in zip(completions, train_logprobs, strict=True)
+    ]
+    return report, diffs
+
+
+def print_table(report: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"parity {report['parity']} · {report['dtype']} · {report['model']}")
+    for col in ("batch size", "tokens", "bitwise equal", "max |Δ|", "mean |Δ|", "KL k1", "KL k3"):
+        table.add_column(col, justify="right")
+    rows = list(report["per_batch_size"].items()) + [("all", report)]
+    for name, s in rows:
+        table.add_row(
+            str(name), str(s["tokens_compared"]), f"{s['bitwise_equal_fraction']:.6f}",
+            f"{s['max_abs_diff']:.3e}", f"{s['mean_abs_diff']:.3e}", f"{s['kl_k1']:.3e}",
+            f"{s['kl_k3']:.3e}",
+        )
+    console.print(table)
+
+
+def run_check_command(ns: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from parity.report import write_report
+
+    args = validate(ns)
+    console = Console()
+    report, diffs = run_check(args)
+    print_table(report, console)
+    if args.report:
+        write_report(args.report, report, diffs)
+        console.print(f"report: {args.report / 'report.json'}, {args.report / 'index.html'}")
+    if report["passed"]:
+        console.print(f"[green]PASS[/]: all {report['tokens_compared']} sampled tokens bit-identical")
+        return 0
+    verdict = f"{report['tokens_compared'] - report['tokens_equal']} of {report['tokens_compared']} tokens differ"
+    if args.parity:
+        console.print(f"[red]MISMATCH[/]: {verdict}")
+        return 1
+    console.print(f"parity off (stock engines): {verdict} — the mismatch the parity layer removes")
+    return 0

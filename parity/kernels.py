@@ -1,0 +1,263 @@
+"""The parity kernels: one implementation of each numerically relevant op, shared by the vLLM
+rollout model and the Megatron trainer.
+
+Why stock kernels disagree: a float sum depends on the order of its terms, and stock kernels
+pick that order from the shapes they see. On this CPU stack, measured: MKL's fp32 GEMM gives a
+row different bits when the same row travels with 1, 2-3, or >= 7 rows (gemv vs. two GEMM
+kernels); torch's vectorised SiLU/sigmoid differ in the last bit from their scalar tail loop,
+so an element's bits depend on where it falls in the flattened tensor; attention that reduces
+over "all keys so far" has a different length in decode (one query, t keys) and in training
+(t queries, padded to the longest). Batch invariance therefore comes from one rule:
+
+    every reduction and every transcendental op runs on a shape that is fixed by the model
+    config alone (never by batch size, chunking or decode vs. training), in a fixed order.
+
+Concretely: GEMMs run on tiles of exactly `TILE_ROWS` rows; transcendental element-wise ops run
+on flat chunks of exactly `POINTWISE_CHUNK` elements (serial, all-vector, no scalar tail);
+row reductions reduce a contiguous last dim of fixed length; attention walks the keys in blocks
+of `KV_BLOCK` positions from position 0, so a query at position t always sees the same blocks
+with the same values, whatever else is in the batch.
+
+All functions are plain PyTorch and differentiable. Attention has its own backward (recompute
+with dense math): gradients need not be bit-stable, only the forward log-probs must be.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+# Rows per GEMM call. 16 keeps one-token decode cheap (a padded tile of 16 rows still streams
+# the weight once) while giving MKL a real GEMM shape.
+TILE_ROWS = 16
+# Elements per transcendental call: below torch's parallel grain (32768), so one thread runs
+# the whole chunk, and a multiple of 64 (the widest vector loop: 2 x 32 bf16 lanes), so no
+# element ever goes through the scalar tail loop.
+POINTWISE_CHUNK = 16384
+# Keys per attention block. Queries visit blocks 0..t//KV_BLOCK in order.
+KV_BLOCK = 64
+# torch splits a single-output reduction across threads above this size (two-pass reduction).
+_TORCH_GRAIN = 32768
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """Apply an element-wise `fn` so that every element takes the vectorised path.
+
+    Invariant because: each call sees a contiguous chunk of exactly POINTWISE_CHUNK elements
+    (the input is zero-padded to a whole number of chunks), which torch runs on one thread with
+    its vector loop only; an element's bits then depend on its value alone, not its position.
+    """
+    flat = x.reshape(-1)
+    n = flat.numel()
+    padded = -(-n // POINTWISE_CHUNK) * POINTWISE_CHUNK
+    if padded != n:
+        flat = F.pad(flat, (0, padded - n))
+    flat = flat.contiguous()
+    out = torch.cat([fn(chunk) for chunk in flat.split(POINTWISE_CHUNK)])
+    return out[:n].view(x.shape)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim.
+
+    Invariant because: the last dim is made contiguous, so torch always uses its inner-row
+    reduction, whose order depends only on the row length; rows are split across threads but a
+    row is never split (that only happens for a single output above the grain size).
+    """
+    assert x.shape[-1] < _TORCH_GRAIN, "row_sum rows must stay below torch's grain size"
+    return x.contiguous().sum(-1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias), for x of shape [..., K] and weight [N, K].
+
+    Invariant because: rows are zero-padded to whole tiles and each GEMM call gets exactly
+    TILE_ROWS rows, so MKL/oneDNN always pick the same kernel and K-order for a given weight;
+    within a tile a row's result does not depend on its position or its neighbours (checked in
+    tests/test_kernels.py).
+    """
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    padded = -(-m // TILE_ROWS) * TILE_ROWS
+    if padded != m:
+        rows = F.pad(rows, (0, 0, 0, padded - m))
+    rows = rows.contiguous()
+    wt = weight.contiguous().t()
+    out = torch.cat([tile @ wt for tile in rows.split(TILE_ROWS)])[:m]
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Row gather: exact by construction."""
+    return F.embedding(ids, weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF-style RMSNorm: normalise in fp32, cast back, then scale by the weight.
+
+    Invariant because: the mean of squares is a row_sum over the hidden dim; the rest is
+    element-wise with correctly rounded ops.
+    """
+    dtype = x.dtype
+    h = x.float()
+    variance = row_sum(h * h) / h.shape[-1]
+    inv = pointwise(torch.rsqrt, variance + eps)
+    return weight * (h * inv.unsqueeze(-1)).to(dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return pointwise(F.silu, x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused [gate; up] projection: silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return silu(gate) * up
+
+
+@functools.lru_cache(maxsize=16)
+def rope_table(head_dim: int, base: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin tables [max_positions, head_dim // 2].
+
+    Invariant because: the table's shape is fixed by the model config, so both engines build
+    the same bits once and then only index it by position.
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base**exponent)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv_freq)
+    return pointwise(torch.cos, freqs), pointwise(torch.sin, freqs)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Neox-style (rotate-half) RoPE for x [T, H, D] at integer positions [T], computed in fp32.
+
+    Element-wise with exactly rounded mul/add only: out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin.
+    """
+    cos, sin = table
+    cos = cos[positions].unsqueeze(1)
+    sin = sin[positions].unsqueeze(1)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
+
+
+def _attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    nq, hq, d = q.shape
+    num_seqs, length, hkv, _ = k.shape
+    g = hq // hkv
+    padded = -(-length // KV_BLOCK) * KV_BLOCK
+    if padded != length:
+        k = F.pad(k, (0, 0, 0, 0, 0, padded - length))
+        v = F.pad(v, (0, 0, 0, 0, 0, padded - length))
+    qf = q.float().view(nq, hkv, g, 1, d)
+    m = torch.full((nq, hkv, g), -math.inf)
+    l = torch.zeros(nq, hkv, g)
+    acc = torch.zeros(nq, hkv, g, d)
+    offsets = torch.arange(KV_BLOCK)
+    num_blocks = int(q_pos.max()) // KV_BLOCK + 1 if nq else 0
+    for j in range(num_blocks):
+        start = j * KV_BLOCK
+        valid = (start + offsets).unsqueeze(0) <= q_pos.unsqueeze(1)  # [nq, B]
+        kb = k[q_seq, start : start + KV_BLOCK].float().permute(0, 2, 1, 3)  # [nq, hkv, B, d]
+        vb = v[q_seq, start : start + KV_BLOCK].float().permute(0, 2, 3, 1)  # [nq, hkv, d, B]
+        # Masked slots may hold garbage (a paged cache's unused slots): replace, never multiply.
+        vb = vb.masked_fill(~valid[:, None, None, :], 0.0)
+        scores = row_sum(qf * kb.unsqueeze(2)) * scale  # [nq, hkv, g, B]
+        scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
+        # Blocks past a query's position are exact no-ops: max is unchanged, exp(0) = 1,
+        # p = 0, so l and acc are multiplied by 1 and get 0 added.
+        m_new = torch.maximum(m, scores.amax(-1))
+        correction = pointwise(torch.exp, m - m_new)
+        p = pointwise(torch.exp, scores - m_new.unsqueeze(-1))
+        l = l * correction + row_sum(p)
+        acc = acc * correction.unsqueeze(-1) + row_sum(p.unsqueeze(3) * vb.unsqueeze(2))
+        m = m_new
+    out = acc / l.unsqueeze(-1)
+    return out.view(nq, hq, d).to(q.dtype)
+
+
+def _attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Dense differentiable attention with the same semantics, used to compute gradients."""
+    nq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    kq = k[q_seq].float().repeat_interleave(g, dim=2)  # [nq, L, hq, d]
+    vq = v[q_seq].float().repeat_interleave(g, dim=2)
+    scores = torch.einsum("nhd,nlhd->nhl", q.float(), kq) * scale
+    mask = torch.arange(k.shape[1]).unsqueeze(0) > q_pos.unsqueeze(1)  # [nq, L]
+    probs = scores.masked_fill(mask[:, None, :], -math.inf).softmax(-1)
+    return torch.einsum("nhl,nlhd->nhd", probs, vq).to(q.dtype)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_seq, q_pos, scale):
+        ctx.save_for_backward(q, k, v, q_seq, q_pos)
+        ctx.scale = scale
+        with torch.no_grad():
+            return _attention_forward(q, k, v, q_seq, q_pos, scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, q_seq, q_pos = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+            out = _attention_reference(*inputs, q_seq, q_pos, ctx.scale)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+
+
+def attention_scale(head_dim: int) -> float:
+    """The softmax scale, written once so both engines use the same Python float."""
+    return head_dim**-0.5
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal GQA attention for a flat set of queries over per-sequence key/value contexts.
+
+    q: [Nq, Hq, D]; k, v: [R, L, Hkv, D] (sequence r's keys at positions 0..L-1, any padding
+    beyond a sequence's end is ignored); q_seq: [Nq] sequence index of each query; q_pos: [Nq]
+    its position. Query i attends to keys 0..q_pos[i] of sequence q_seq[i]. Returns [Nq, Hq, D].
+
+    Invariant because: a query's result is an online softmax over the fixed blocks
+    0..q_pos // KV_BLOCK of its own sequence, visited in order, each block reduced over fixed
+    lengths (D for scores, KV_BLOCK for the weighted values) with row_sum; the number of
+    queries, other sequences, and the padded length never enter a query's arithmetic. Decode
+    (one query per sequence, keys read from the paged cache) and training (all positions of a
+    sequence at once) therefore give the same bits.
+    """
+    return _Attention.apply(q, k, v, q_seq, q_pos, scale)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax over the vocabulary.
+
+    This is exactly the op vLLM's sampler runs for log-probs
+    (`logits.log_softmax(dim=-1, dtype=torch.float32)`; pinned by a test), so both engines turn
+    logits into log-probs with one implementation. Invariant because: torch's last-dim
+    log-softmax kernel reduces each row on its own with a vector loop whose order depends only
+    on the vocabulary size.
+    """
+    return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) for logits [..., V] and integer targets [...], in fp32."""
+    return log_softmax(logits).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,49 @@
+"""`kimi-rl` command line. Each subcommand lives next to the code it drives; this file only
+wires them together and turns `UserError` into a one-line message with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rl.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("kimi-rl")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from parity.checker import add_parity_commands
+    from rl.models import add_model_commands
+
+    parser = _Parser(prog="kimi-rl", description="kimi-rl: RL with bit-identical rollout/trainer log-probs")
+    parser.add_argument("--version", action="version", version=f"kimi-rl {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    add_model_commands(commands)
+    add_parity_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        sys.stderr.write(f"kimi-rl: error: {e}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

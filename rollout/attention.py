@@ -1,0 +1,254 @@
+"""A vLLM attention backend whose math is `parity.kernels.attention`, over vLLM's paged KV cache.
+
+Only the parity models use it (they pass it as `attn_backend=` to vLLM's `Attention` layer);
+stock models in the same process keep vLLM's own CPU attention.
+
+KV cache. vLLM allocates each layer's cache as a contiguous tensor of logical shape
+[num_blocks, num_kv_heads, block_size, 2 * head_size] (the CPU backend's spec, inherited).
+This backend reads and writes it itself, in its own in-block layout: slot-major,
+`cache.view(num_blocks * block_size, 2, num_kv_heads, head_size)`, where slot
+`s = block * block_size + offset` holds the key at [s, 0] and the value at [s, 1]. vLLM only
+ever touches the cache as whole blocks (zeroing new blocks), which keeps its meaning in this
+layout. Keys and values are stored in the model dtype, unchanged.
+
+Metadata. `ParityAttentionMetadataBuilder.build` runs once per step (shared by all layers) and
+turns vLLM's common metadata (query_start_loc, seq_lens, block_table, slot_mapping) into what
+the kernel needs: for each scheduled query token its request index `q_seq` and absolute
+position `q_pos = seq_len - query_len + j`, and for each request the cache slots of its
+positions 0..L-1 (L = the longest seq_len in the step). Every layer then gathers its keys and
+values with one index and calls the kernel once for the whole batch: prefill, decode, chunked
+prefill (a later chunk reads the earlier chunks' keys from the cache) and mixed batches are the
+same code path. Tokens beyond the scheduled ones (padding) are not attended and get a zero
+output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+from parity import kernels
+
+BACKEND_NAME = "KIMI_RL_PARITY"
+_BACKEND_PATH = "rollout.attention.ParityAttentionBackend"
+
+
+def _register_backend_name() -> None:
+    # vLLM's Attention layer looks its backend up by name (`AttentionBackendEnum[get_name()]`),
+    # so the name must be an enum member. Registering a new member changes no existing backend.
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        AttentionBackendEnum.register(BACKEND_NAME, _BACKEND_PATH)
+
+
+_register_backend_name()
+
+
+@dataclass
+class ParityAttentionMetadata:
+    num_actual_tokens: int  # as vLLM reports it (may include padding)
+    num_query_tokens: int  # scheduled tokens: query_start_loc[num_reqs]
+    num_reqs: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1]
+    seq_lens: torch.Tensor  # [num_reqs]
+    block_table: torch.Tensor  # [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # [num_tokens]
+    q_seq: torch.Tensor  # [num_query_tokens] int64, request index of each query
+    q_pos: torch.Tensor  # [num_query_tokens] int64, absolute position of each query
+    ctx_slots: torch.Tensor  # [num_reqs, L] int64, cache slot of positions 0..L-1 (0 past the end)
+    block_size: int
+
+
+class ParityAttentionMetadataBuilder(AttentionMetadataBuilder[ParityAttentionMetadata]):
+    reorder_batch_threshold: ClassVar[int | None] = None
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> ParityAttentionMetadata:
+        cm = common_attn_metadata
+        num_reqs = cm.num_reqs
+        qsl = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
+        seq_lens = cm.seq_lens[:num_reqs].to(device="cpu", dtype=torch.int64)
+        query_lens = qsl[1:] - qsl[:-1]
+        num_query_tokens = int(qsl[-1]) if num_reqs else 0
+        q_seq = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
+        # Query j of request r sits at position seq_len[r] - query_len[r] + j.
+        q_pos = (seq_lens - query_lens)[q_seq] + (torch.arange(num_query_tokens) - qsl[:-1][q_seq])
+
+        block_table = cm.block_table_tensor[:num_reqs]
+        ctx_len = int(seq_lens.max()) if num_reqs else 0
+        pos = torch.arange(ctx_len)
+        bs = self.block_size
+        blocks = block_table[:, pos // bs].to(torch.int64)
+        slots = blocks * bs + pos % bs
+        # Positions past a request's end point at slot 0: read, then masked by the kernel.
+        ctx_slots = torch.where(pos.unsqueeze(0) < seq_lens.unsqueeze(1), slots, 0)
+
+        return ParityAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            num_query_tokens=num_query_tokens,
+            num_reqs=num_reqs,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=cm.slot_mapping,
+            q_seq=q_seq,
+            q_pos=q_pos,
+            ctx_slots=ctx_slots,
+            block_size=bs,
+        )
+
+
+def _slot_view(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
+    if not kv_cache.is_contiguous():
+        raise RuntimeError(
+            "the parity attention backend needs a contiguous per-layer KV cache "
+            f"(got strides {tuple(kv_cache.stride())} for shape {tuple(kv_cache.shape)})"
+        )
+    return kv_cache.view(-1, 2, num_kv_heads, head_size)
+
+
+class ParityAttentionImpl(AttentionImpl[ParityAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra,
+    ) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+            **{k: v for k, v in extra.items() if v is not None},
+        }
+        unsupported = {k: v for k, v in unsupported.items() if v is not None}
+        if unsupported:
+            raise NotImplementedError(f"parity attention does not support {sorted(unsupported)}")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"parity attention supports decoder attention only, not {attn_type}")
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(f"parity attention keeps the KV cache in the model dtype, not {kv_cache_dtype}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale  # the model passes kernels.attention_scale(head_size); keep that float
+        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.sliding_window = None
+        self.kv_sharing_target_layer_name = None
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if kv_cache.numel() == 0:
+            return
+        cache = _slot_view(kv_cache, self.num_kv_heads, self.head_size)
+        n = min(slot_mapping.shape[0], key.shape[0])
+        slots = slot_mapping[:n].to(torch.int64)
+        keep = slots >= 0  # padding tokens carry slot -1
+        slots = slots[keep]
+        cache[slots, 0] = key[:n][keep].to(cache.dtype)
+        cache[slots, 1] = value[:n][keep].to(cache.dtype)
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: ParityAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("parity attention does not fuse output quantization")
+        if attn_metadata is None or kv_cache.numel() == 0:  # profiling / warm-up run
+            output.zero_()
+            return output
+        n = attn_metadata.num_query_tokens
+        output[n:].zero_()
+        if n == 0:
+            return output
+        if kv_cache.shape[2] != attn_metadata.block_size:
+            raise RuntimeError(
+                f"KV cache block size {kv_cache.shape[2]} != metadata block size {attn_metadata.block_size}"
+            )
+        cache = _slot_view(kv_cache, self.num_kv_heads, self.head_size)
+        ctx = cache[attn_metadata.ctx_slots]  # [R, L, 2, Hkv, D]
+        out = kernels.attention(
+            query[:n].view(n, self.num_heads, self.head_size),
+            ctx[:, :, 0],
+            ctx[:, :, 1],
+            attn_metadata.q_seq,
+            attn_metadata.q_pos,
+            self.scale,
+        )
+        output[:n] = out.view(output[:n].shape)
+        return output
+
+
+class ParityAttentionBackend(CPUAttentionBackend):
+    """CPU_ATTN's KV cache spec and dtypes; parity math, own cache layout and metadata."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def get_impl_cls() -> type[ParityAttentionImpl]:
+        return ParityAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[ParityAttentionMetadataBuilder]:
+        return ParityAttentionMetadataBuilder

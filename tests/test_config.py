@@ -1,0 +1,317 @@
+"""rl/config.py: the shipped configs load, every kind of bad input gives a one-line error that
+names the file, the line and the dotted key, overrides apply, and dump -> load round-trips."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rl.config import (
+    Config,
+    ConfigError,
+    config_to_dict,
+    dump_config,
+    load_config,
+    resolve_callable,
+)
+from rl.errors import UserError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A stand-in model directory: config.py only checks that config.json is there."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    return path
+
+
+@pytest.fixture
+def write(tmp_path: Path, model_dir: Path):
+    """write(body) -> path of a config whose first three lines are run_dir, total_steps and
+    model.path, followed by `body` from line 4 on."""
+
+    def make(body: str = "", header: bool = True) -> Path:
+        head = f"run_dir: {tmp_path / 'run'}\ntotal_steps: 3\nmodel: {{path: {model_dir}}}\n"
+        path = tmp_path / "cfg.yaml"
+        path.write_text((head if header else "") + textwrap.dedent(body))
+        return path
+
+    return make
+
+
+def error(path: Path, overrides: list[str] = ()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("name", ["quickstart.yaml", "smollm2_arith.yaml"])
+def test_shipped_configs_load(name: str, model_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(CONFIGS / name, [f"model.path={model_dir}"])
+    assert cfg.model.path == str(model_dir)
+    assert cfg.algorithm.name == "grpo"
+    assert cfg.lora.enabled and cfg.lora.rank == 8
+    assert cfg.logging.wandb == "offline"
+    assert Path(cfg.run_dir).is_absolute()
+
+
+def test_quickstart_values(model_dir: Path) -> None:
+    cfg = load_config(CONFIGS / "quickstart.yaml", [f"model.path={model_dir}"])
+    assert (cfg.total_steps, cfg.rollout.samples_per_prompt, cfg.rollout.max_tokens) == (20, 4, 8)
+    assert (cfg.data.source, cfg.data.prompts_per_step, cfg.reward.type) == ("builtin", 8, "number")
+    assert cfg.trainer.lr == 5e-3
+    assert cfg.run_dir.endswith("runs/quickstart")
+
+
+def test_smollm2_values(model_dir: Path) -> None:
+    cfg = load_config(CONFIGS / "smollm2_arith.yaml", [f"model.path={model_dir}"])
+    assert (cfg.model.dtype, cfg.total_steps, cfg.rollout.max_tokens) == ("bf16", 30, 48)
+    assert (cfg.data.source, cfg.data.task, cfg.reward.type) == (
+        "reasoning_gym", "basic_arithmetic", "reasoning_gym")
+    assert cfg.data.chat_template and cfg.trainer.lr == 1e-4
+
+
+def test_defaults(write) -> None:
+    cfg = load_config(write())
+    assert (cfg.seed, cfg.parity, cfg.total_steps) == (0, True, 3)
+    assert cfg.trainer.betas == (0.9, 0.999)
+    assert cfg.lora.target_modules[-1] == "down_proj" and len(cfg.lora.target_modules) == 7
+    assert cfg.sync.hooks == ["checksum", "timing"]
+    assert cfg.ray.temp_dir is None and cfg.data.task_kwargs == {}
+
+
+# Each case: the body from line 4 on, the line the error must name, the key, and a phrase.
+ERRORS = [
+    ("rollout:\n  max_tokns: 8\n", 5, "rollout.max_tokns",
+     "unknown key (did you mean max_tokens?)"),
+    ("algorithm:\n  kl_coef: abc\n", 5, "algorithm.kl_coef", "expected a float, got 'abc'"),
+    ("trainer:\n  micro_batch_size: 2.5\n", 5, "trainer.micro_batch_size", "expected an int"),
+    ("seed: true\n", 4, "seed", "expected an int, got True"),
+    ("logging:\n  project: 7\n", 5, "logging.project", "expected a string, got 7"),
+    ("parity: 1\n", 4, "parity", "expected a bool"),
+    ("rollout:\n  temperature: 0\n", 5, "rollout.temperature", "must be > 0"),
+    ("lora:\n  rank: 0\n", 5, "lora.rank", "must be >= 1, got 0"),
+    ("trainer:\n  betas: [0.9, 1.5]\n", 5, "trainer.betas[1]", "must be < 1"),
+    ("trainer:\n  betas: [0.9]\n", 5, "trainer.betas", "expected a list of 2 values"),
+    ("trainer:\n  lr: .nan\n", 5, "trainer.lr", "expected a finite float"),
+    ("algorithm:\n  name: dpo\n", 5, "algorithm.name", "ppo, grpo, rloo"),
+    ("lora:\n  target_modules:\n    - q_proj\n    - qkv\n", 7, "lora.target_modules[1]",
+     "expected one of q_proj"),
+    ("lora:\n  target_modules: q_proj\n", 5, "lora.target_modules", "expected a list"),
+    ("data:\n  task_kwargs: [1]\n", 5, "data.task_kwargs", "expected a mapping"),
+    ("trainer: 3\n", 4, "trainer", "expected a mapping, got an int"),
+    ("seed: 1\nseed: 2\n", 5, "seed", "duplicate key"),
+    ("lora:\n  dropout: 0.1\n", 5, "lora.dropout", "must be 0.0"),
+    ("lora:\n  target_modules: []\n", 5, "lora.target_modules", "is empty"),
+    ("algorithm:\n  is_correction: tis\n", 5, "algorithm.is_correction", "parity: false"),
+    ("algorithm:\n  name: ppo\n  vf_coef: 0\n", 6, "algorithm.vf_coef", "needs a critic"),
+    ("rollout:\n  samples_per_prompt: 1\n", 5, "rollout.samples_per_prompt",
+     "must be >= 2 for algorithm.name grpo"),
+    ("data:\n  source: jsonl\n", 5, "data.path", "required when data.source is jsonl"),
+    ("data:\n  source: jsonl\n  path: nope.jsonl\n", 6, "data.path", "no such file"),
+    ("data:\n  source: reasoning_gym\n", 5, "data.task", "required when data.source"),
+    ("reward:\n  type: reasoning_gym\n", 5, "reward.type", "needs data.source: reasoning_gym"),
+    ("reward:\n  type: function\n", 5, "reward.function", "required when reward.type"),
+    ("reward:\n  type: function\n  function: not a name\n", 6, "reward.function",
+     "expected module:attr"),
+    ("sync:\n  hooks: [checksum, bogus]\n", 5, "sync.hooks[1]", "parity_probe or module:attr"),
+    ("checkpoint:\n  resume_from: missing/ckpt\n", 5, "checkpoint.resume_from", "no such"),
+    ("trainer:\n  lr: !!python/object/apply:os.system [echo hi]\n", 5, "",
+     "could not determine a constructor"),
+    ("rollout:\n  max_tokens: [1,\n", 6, "", "invalid YAML"),
+]
+
+
+@pytest.mark.parametrize(("body", "line", "key", "phrase"), ERRORS)
+def test_errors_name_file_line_and_key(write, body: str, line: int, key: str, phrase: str) -> None:
+    path = write(body)
+    message = error(path)
+    assert message.startswith(f"{path}:{line}: "), message
+    if key:
+        assert f": {key}: " in message, message
+    assert phrase in message, message
+
+
+def test_is_correction_error_names_both_keys(write) -> None:
+    message = error(write("algorithm:\n  is_correction: mis\n"))
+    assert "algorithm.is_correction" in message and "parity" in message
+    cfg = load_config(write("parity: false\nalgorithm:\n  is_correction: mis\n"))
+    assert cfg.algorithm.is_correction == "mis"
+
+
+def test_missing_required_keys(write, model_dir: Path, tmp_path: Path) -> None:
+    path = write("run_dir: r\nmodel: {dtype: bf16}\n", header=False)
+    assert error(path) == f"{path}: total_steps: required key missing"
+    path = write("run_dir: r\ntotal_steps: 1\n", header=False)
+    assert error(path) == f"{path}: model.path: required key missing"
+    path = write(f"total_steps: 1\nmodel: {{path: {model_dir}}}\n", header=False)
+    assert error(path) == f"{path}: run_dir: required key missing"
+
+
+def test_model_errors(write, model_dir: Path, tmp_path: Path) -> None:
+    head = "run_dir: r\ntotal_steps: 1\nmodel:\n"
+    path = write(f"{head}  path: {model_dir}\n  dtype: fp16\n", header=False)
+    assert error(path) == f"{path}:5: model.dtype: expected one of fp32, bf16; got 'fp16'"
+    path = write(f"{head}  path: /definitely/not/here\n", header=False)
+    assert error(path).startswith(f"{path}:4: model.path: no such model directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    path = write(f"{head}  path: {empty}\n", header=False)
+    assert error(path).startswith(f"{path}:4: model.path: ")
+    assert "has no config.json" in error(path)
+
+
+def test_top_level_must_be_a_mapping(write) -> None:
+    path = write("- a\n- b\n", header=False)
+    assert error(path) == f"{path}:1: expected a mapping of config keys, got a list"
+    path = write("", header=False)
+    assert "empty config" in error(path)
+    assert "no such config file" in error(path.with_name("absent.yaml"))
+
+
+def test_non_string_keys(write) -> None:
+    assert ": rollout.1: keys must be strings" in error(write("rollout:\n  1: 2\n"))
+
+
+def test_ints_accepted_for_floats_and_exponent_without_dot(write) -> None:
+    # PyYAML (YAML 1.1) reads `5e-3` as a string; float fields accept it anyway.
+    cfg = load_config(write("trainer:\n  lr: 5e-3\n  grad_clip: 2\nalgorithm:\n  kl_coef: 1E-2\n"))
+    assert cfg.trainer.lr == 0.005 and cfg.algorithm.kl_coef == 0.01
+    assert isinstance(cfg.trainer.grad_clip, float) and cfg.trainer.grad_clip == 2.0
+
+
+def test_empty_section_means_defaults(write) -> None:
+    assert load_config(write("trainer:\nlora:\n")).trainer.lr == 1e-4
+
+
+def test_overrides(write, model_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    cfg = load_config(write(), [
+        "algorithm.kl_coef=0.01",
+        "lora.target_modules=[q_proj,v_proj]",
+        f"model.path={other}",
+        "ray.address=",  # an empty value is null
+        "data.task_kwargs={min_terms: 2}",
+        "sync.hooks=[timing, os.path:join]",
+        "seed=7",
+    ])
+    assert cfg.algorithm.kl_coef == 0.01
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.model.path == str(other) and cfg.ray.address is None
+    assert cfg.data.task_kwargs == {"min_terms": 2}
+    assert cfg.sync.hooks == ["timing", "os.path:join"] and cfg.seed == 7
+
+
+def test_override_can_supply_a_missing_required_key(write, model_dir: Path) -> None:
+    path = write("run_dir: r\ntotal_steps: 1\n", header=False)
+    assert load_config(path, [f"model.path={model_dir}"]).model.path == str(model_dir)
+
+
+@pytest.mark.parametrize(("override", "phrase"), [
+    ("algorithm.kl_coef=abc", "algorithm.kl_coef: expected a float, got 'abc'"),
+    ("rollout.max_tokns=8", "rollout.max_tokns: unknown key (did you mean max_tokens?)"),
+    ("nosuch.key=1", "nosuch: unknown key"),
+    ("total_steps=-1", "total_steps: must be >= 1, got -1"),
+    ("lora.rank=true", "lora.rank: expected an int, got True"),
+    ("lora.target_modules=[q_proj", "lora.target_modules: invalid YAML value"),
+    ("seed.x=1", "seed: expected an int, got {'x': 1}"),
+    ("total_steps.x=1", "total_steps: is an int, not a section"),
+    ("trainer.betas=[0.9, 2]", "trainer.betas[1]: must be < 1"),
+])
+def test_override_errors_name_the_override(write, override: str, phrase: str) -> None:
+    message = error(write("rollout:\n  max_tokens: 4\n"), [override])
+    assert message.startswith(f"override {override!r}: "), message
+    assert phrase in message, message
+
+
+@pytest.mark.parametrize("override", ["lora.rank", "=3", "a..b=1", " =1"])
+def test_malformed_overrides(write, override: str) -> None:
+    assert "expected key=value" in error(write(), [override])
+
+
+def test_override_replaces_the_file_line_in_errors(write) -> None:
+    # The file sets a valid value on line 5; the override replaces it with a bad one.
+    message = error(write("lora:\n  rank: 4\n"), ["lora.rank=0"])
+    assert message.startswith("override 'lora.rank=0': lora.rank: must be >= 1")
+
+
+def test_relative_paths_resolve_against_cwd(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "config.json").write_text("{}")
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    (tmp_path / "configs").mkdir()
+    path = tmp_path / "configs" / "x.yaml"
+    path.write_text("run_dir: runs/x\ntotal_steps: 1\nmodel: {path: models/m}\n"
+                    "ray: {temp_dir: tmp/ray}\ndata: {source: jsonl, path: data.jsonl}\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("configs/x.yaml")
+    assert cfg.run_dir == str(tmp_path / "runs" / "x")
+    assert cfg.model.path == str(tmp_path / "models" / "m")
+    assert cfg.ray.temp_dir == str(tmp_path / "tmp" / "ray")
+    assert cfg.data.path == str(tmp_path / "data.jsonl")
+    # The message names the file as the user spelled it.
+    assert error(Path("configs/x.yaml"), ["model.path=gone"]).startswith(
+        "override 'model.path=gone': model.path: no such model directory")
+
+
+def test_round_trip(write, tmp_path: Path) -> None:
+    cfg = load_config(write(), [
+        "parity=false", "algorithm.name=ppo", "algorithm.is_correction=tis",
+        "algorithm.critic_lr=3e-5", "trainer.betas=[0.8, 0.95]", "data.task_kwargs={a: [1, 2]}",
+        "ray.num_cpus=2", "lora.target_modules=[o_proj]", "logging.project=päth",
+    ])
+    text = dump_config(cfg)
+    assert yaml.safe_load(text) == config_to_dict(cfg)
+    again = tmp_path / "dumped.yaml"
+    again.write_text(text)
+    assert load_config(again) == cfg
+    assert isinstance(load_config(again).trainer.betas, tuple)
+
+
+def test_round_trip_of_shipped_config(model_dir: Path, tmp_path: Path) -> None:
+    cfg = load_config(CONFIGS / "smollm2_arith.yaml", [f"model.path={model_dir}"])
+    again = tmp_path / "dumped.yaml"
+    again.write_text(dump_config(cfg))
+    assert isinstance(cfg, Config) and load_config(again) == cfg
+
+
+def test_resolve_callable(tmp_path: Path, monkeypatch) -> None:
+    import os.path
+
+    assert resolve_callable("os.path:join") is os.path.join
+    with pytest.raises(ConfigError, match=r"^reward\.function: cannot import 'no_such_mod_xyz'"):
+        resolve_callable("no_such_mod_xyz:f")
+    with pytest.raises(ConfigError, match=r"^reward\.function: .*has no attribute 'nope'"):
+        resolve_callable("os.path:nope")
+    with pytest.raises(ConfigError, match=r"^sync\.hooks\[0\]: 'os:sep' is not callable"):
+        resolve_callable("os:sep", key="sync.hooks[0]")
+    with pytest.raises(ConfigError, match=r"expected module:attr"):
+        resolve_callable("os.path.join")
+    (tmp_path / "broken_reward_mod.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"RuntimeError: boom"):
+        resolve_callable("broken_reward_mod:score")
+
+
+def test_python_tags_never_run(write, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = write(f"seed: !!python/object/apply:os.system ['touch {marker}']\n")
+    assert "could not determine a constructor" in error(path)
+    assert not marker.exists()
+    path = write("seed: !!python/object:rl.config.Config {}\n")
+    assert error(path).startswith(f"{path}:4: invalid YAML")
+
+
+def test_config_error_is_a_user_error() -> None:
+    assert issubclass(ConfigError, UserError)

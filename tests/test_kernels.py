@@ -1,0 +1,139 @@
+"""Property tests: each parity kernel's result for a row equals its result for that row
+computed alone (or among other rows), and attention's decode form equals its whole-sequence
+form. Equality is torch.equal, never a tolerance."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parity import kernels
+
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+SETTINGS = settings(max_examples=25, deadline=None)
+
+
+def _randn(seed: int, *shape, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+@SETTINGS
+@given(
+    rows=st.integers(1, 70), k=st.sampled_from([32, 96, 128, 576]),
+    n=st.sampled_from([32, 64, 192, 256]), dtype=DTYPES, seed=st.integers(0, 2**16),
+    pick=st.integers(0, 69),
+)
+def test_linear_row_invariant(rows, k, n, dtype, seed, pick):
+    x = _randn(seed, rows, k, dtype=dtype)
+    w = _randn(seed + 1, n, k, dtype=dtype)
+    i = pick % rows
+    full = kernels.linear(x, w)
+    assert torch.equal(kernels.linear(x[i : i + 1], w)[0], full[i])
+    assert torch.equal(kernels.linear(x[i:], w)[0], full[i])  # different tile position
+    assert torch.equal(kernels.linear(x.view(1, rows, k), w)[0], full)
+
+
+def test_stock_gemm_is_not_row_invariant():
+    """The problem the tiles solve: MKL's fp32 GEMM gives a row different bits alone."""
+    x, w = _randn(0, 64, 576), _randn(1, 576, 576)
+    assert not torch.equal(F.linear(x[:1], w)[0], F.linear(x, w)[0])
+
+
+def test_stock_silu_depends_on_position():
+    """The problem pointwise() solves: SiLU's scalar tail loop differs from its vector loop."""
+    x = _randn(0, 100_000) * 5
+    vec = F.silu(x)
+    tails = torch.cat([F.silu(x[i : i + 7].clone()) for i in range(0, 7000, 7)])
+    assert not torch.equal(tails, vec[:7000])
+    tails = torch.cat([kernels.silu(x[i : i + 7].clone()) for i in range(0, 7000, 7)])
+    assert torch.equal(tails, kernels.silu(x)[:7000])
+
+
+@SETTINGS
+@given(rows=st.integers(1, 50), h=st.sampled_from([32, 64, 128, 576]), dtype=DTYPES,
+       seed=st.integers(0, 2**16), pick=st.integers(0, 49))
+def test_rms_norm_and_silu_row_invariant(rows, h, dtype, seed, pick):
+    x = _randn(seed, rows, h, dtype=dtype)
+    w = _randn(seed + 1, h, dtype=dtype)
+    i = pick % rows
+    assert torch.equal(kernels.rms_norm(x[i : i + 1], w, 1e-6)[0], kernels.rms_norm(x, w, 1e-6)[i])
+    assert torch.equal(kernels.silu_and_mul(x[i : i + 1])[0], kernels.silu_and_mul(x)[i])
+
+
+@SETTINGS
+@given(t=st.integers(1, 40), d=st.sampled_from([16, 32, 64]), dtype=DTYPES,
+       seed=st.integers(0, 2**16))
+def test_rope_depends_only_on_position(t, d, dtype, seed):
+    table = kernels.rope_table(d, 10000.0, 512)
+    x = _randn(seed, t, 3, d, dtype=dtype)
+    pos = torch.randint(0, 512, (t,), generator=torch.Generator().manual_seed(seed))
+    full = kernels.apply_rope(x, pos, table)
+    assert torch.equal(kernels.apply_rope(x[-1:], pos[-1:], table)[0], full[-1])
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    length=st.integers(1, 200), hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 3]),
+    d=st.sampled_from([16, 32, 64]), dtype=DTYPES, seed=st.integers(0, 2**16),
+    others=st.integers(0, 4),
+)
+def test_attention_decode_equals_whole_sequence(length, hkv, group, d, dtype, seed, others):
+    hq = hkv * group
+    q = _randn(seed, length, hq, d, dtype=dtype)
+    k = _randn(seed + 1, 1, length, hkv, d, dtype=dtype)
+    v = _randn(seed + 2, 1, length, hkv, d, dtype=dtype)
+    scale = kernels.attention_scale(d)
+    full = kernels.attention(q, k, v, torch.zeros(length, dtype=torch.long), torch.arange(length), scale)
+    t = length - 1
+    # decode: one query; the context is padded with garbage beyond t (a paged cache's slots)
+    pad = 70
+    kd = torch.cat([k, torch.full((1, pad, hkv, d), float("nan"), dtype=dtype)], dim=1)
+    vd = torch.cat([v, torch.full((1, pad, hkv, d), float("inf"), dtype=dtype)], dim=1)
+    one = kernels.attention(q[t:], kd, vd, torch.zeros(1, dtype=torch.long), torch.tensor([t]), scale)
+    assert torch.equal(one[0], full[t])
+    # the same query inside a batch of other sequences and positions
+    if others:
+        ko = _randn(seed + 3, others, length + pad, hkv, d, dtype=dtype)
+        vo = _randn(seed + 4, others, length + pad, hkv, d, dtype=dtype)
+        kb, vb = torch.cat([ko, kd]), torch.cat([vo, vd])
+        qb = torch.cat([_randn(seed + 5, others, hq, d, dtype=dtype), q[t:]])
+        seqs = torch.arange(others + 1)
+        pos = torch.cat([torch.randint(0, length + pad, (others,)), torch.tensor([t])])
+        assert torch.equal(kernels.attention(qb, kb, vb, seqs, pos, scale)[-1], full[t])
+
+
+def test_attention_matches_dense_reference_and_has_gradients():
+    q = _randn(0, 90, 4, 32).requires_grad_()
+    k = _randn(1, 1, 90, 2, 32).requires_grad_()
+    v = _randn(2, 1, 90, 2, 32).requires_grad_()
+    seq, pos = torch.zeros(90, dtype=torch.long), torch.arange(90)
+    out = kernels.attention(q, k, v, seq, pos, 0.2)
+    ref = kernels._attention_reference(q, k, v, seq, pos, 0.2)
+    assert (out - ref).abs().max() < 1e-5
+    out.square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref.square().sum().backward()
+    for g, t in zip(grads, (q, k, v), strict=True):
+        assert (g - t.grad).abs().max() < 1e-4
+
+
+@SETTINGS
+@given(rows=st.integers(1, 40), vocab=st.sampled_from([512, 2048, 49152]), dtype=DTYPES,
+       seed=st.integers(0, 2**16), pick=st.integers(0, 39))
+def test_log_softmax_row_invariant(rows, vocab, dtype, seed, pick):
+    logits = _randn(seed, rows, vocab, dtype=dtype)
+    i = pick % rows
+    assert torch.equal(kernels.log_softmax(logits[i : i + 1])[0], kernels.log_softmax(logits)[i])
+
+
+def test_log_softmax_is_vllms_sampler_op():
+    """vLLM's sampler computes its log-probs with this very op; if vLLM changes it, this fails."""
+    from vllm.v1.sample.sampler import Sampler
+
+    logits = _randn(0, 7, 512, dtype=torch.bfloat16)
+    assert torch.equal(Sampler.compute_logprobs(logits), kernels.log_softmax(logits))

@@ -1,0 +1,43 @@
+"""Each megatron-core 0.16.1 CPU shim is still needed (the bug is still there) and still
+applies (with it, the code path runs). When megatron-core fixes a bug, the 'needed' test
+fails: delete the shim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.megatron_patches import cpu_current_device
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only shims")
+
+
+def _stock_forward(model):
+    ids = torch.randint(0, 400, (1, 8))
+    mask = torch.triu(torch.ones(1, 1, 8, 8, dtype=torch.bool), diagonal=1)
+    return model(ids, torch.arange(8).unsqueeze(0), mask)
+
+
+def test_current_device_shim_needed_and_applies(model_factory, megatron):
+    from trainer.model import load_model
+
+    model = load_model(model_factory("llama"), "fp32", parity=False).eval()
+    with torch.no_grad():
+        # RotaryEmbedding.get_emb calls torch.cuda.current_device() unconditionally.
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+            _stock_forward(model)
+        with cpu_current_device():
+            assert _stock_forward(model).shape[:2] == (1, 8)
+    assert torch.cuda.current_device is not None  # the real function is restored
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()
+
+
+def test_rng_tracker_shim_needed(megatron):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    try:
+        with pytest.raises((AssertionError, RuntimeError)):
+            mrandom.model_parallel_cuda_manual_seed(0)
+    finally:
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

@@ -1,0 +1,90 @@
+"""Megatron-core modules whose arithmetic is the parity kernels.
+
+Each class subclasses or mirrors the Megatron module it replaces and changes only the math:
+the tensor-parallel plumbing (region copies, gathers, all-reduces) stays Megatron's.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from parity import kernels
+
+
+def _parity_linear(input, weight, bias, allreduce_dgrad, tp_group, **_):
+    # Megatron's own GEMM function also all-reduces the input gradient across TP ranks when
+    # allreduce_dgrad is set; copy_to_tensor_model_parallel_region does exactly that backward.
+    if allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    return kernels.linear(input, weight, bias)
+
+
+class _LoRAMixin:
+    """An optional adapter (trainer.lora.LoRAAdapter) whose delta is added to the output."""
+
+    def forward(self, input_, *args, **kwargs):
+        out, bias = super().forward(input_, *args, **kwargs)
+        adapter = getattr(self, "lora", None)  # a registered submodule once attached
+        delta = adapter.delta(input_) if adapter is not None else None
+        return (out if delta is None else out + delta), bias
+
+
+class ParityColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
+    def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, tp_group=None, **kw):
+        return _parity_linear(input, weight, bias, allreduce_dgrad, tp_group)
+
+
+class ParityRowParallelLinear(_LoRAMixin, RowParallelLinear):
+    def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, tp_group=None, **kw):
+        return _parity_linear(input, weight, bias, allreduce_dgrad, tp_group)
+
+
+class ParityRMSNorm(torch.nn.Module):
+    """RMSNorm through parity.kernels.rms_norm; built as `cls(config=, hidden_size=, eps=)`."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class ParityCoreAttention(MegatronModule):
+    """Core attention slot: RoPE plus causal GQA attention, both from parity.kernels.
+
+    RoPE lives here (the model is built with position_embedding_type='none') so that the
+    trainer applies the very same table and formula as the rollout model, after q/k norm.
+    Megatron passes q [sq, b, np, d], k/v [sk, b, ng, d]; we return [sq, b, np * d].
+    """
+
+    def __init__(
+        self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
+        *, rope_theta: float, max_positions: int, **_,
+    ):
+        super().__init__(config=config)
+        self.head_dim = config.kv_channels
+        self.rope = kernels.rope_table(self.head_dim, rope_theta, max_positions)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        # Sequences are right-padded (never left): causal attention keeps padding out of the
+        # positions that are scored, so attention_mask is not needed.
+        assert packed_seq_params is None, "packed sequences are not supported"
+        sq, b, nh, d = query.shape
+        ng = key.shape[2]
+        positions = torch.arange(sq).repeat(b)
+        q = query.transpose(0, 1).reshape(b * sq, nh, d)
+        k = key.transpose(0, 1).reshape(b * sq, ng, d)
+        q = kernels.apply_rope(q, positions, self.rope)
+        k = kernels.apply_rope(k, positions, self.rope).view(b, sq, ng, d)
+        v = value.transpose(0, 1)
+        seq = torch.arange(b).repeat_interleave(sq)
+        out = kernels.attention(q, k, v, seq, positions, kernels.attention_scale(d))
+        return out.view(b, sq, nh * d).transpose(0, 1)

@@ -1,0 +1,140 @@
+"""LoRA on the Megatron trainer: adapter modules attached to the parity linears.
+
+Only adapter parameters train (the base is frozen). Parameters are kept in fp32 (the
+optimizer's master copy); the forward casts them to the model dtype, and `rollout_tensors`
+hands out exactly those cast tensors, so the rollout model computes with the same bits. The
+reference policy is the base model with adapters switched off (`adapters_disabled`), not a
+second model copy. `peft_state_dict` / `save_peft` write peft's format, loadable by HF
+transformers + peft and by vLLM's --enable-lora.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from parity.lora import FUSED_PARTS, fused_delta, part_shapes, peft_key
+from parity.model_spec import ModelSpec
+
+# Megatron module (relative to a decoder layer) of each fused linear.
+FUSED_MODULES = {
+    "qkv": "self_attention.linear_qkv",
+    "o": "self_attention.linear_proj",
+    "gate_up": "mlp.linear_fc1",
+    "down": "mlp.linear_fc2",
+}
+
+
+class LoRAAdapter(torch.nn.Module):
+    """A/B pairs for the HF targets of one fused linear."""
+
+    def __init__(self, fused: str, targets: list[str], spec: ModelSpec, rank: int, alpha: float):
+        super().__init__()
+        self.fused = fused
+        self.scaling = alpha / rank
+        self.num_kv_heads = spec.num_kv_heads
+        shapes = part_shapes(spec)
+        self.out_features = {n: shapes[n][1] for n in FUSED_PARTS[fused]}
+        self.names = [n for n in FUSED_PARTS[fused] if n in targets]
+        self.lora_A = torch.nn.ParameterDict()
+        self.lora_B = torch.nn.ParameterDict()
+        for name in self.names:
+            fan_in, fan_out = shapes[name]
+            a = torch.empty(rank, fan_in)
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # peft's default init
+            self.lora_A[name] = torch.nn.Parameter(a)
+            self.lora_B[name] = torch.nn.Parameter(torch.zeros(fan_out, rank))
+        self.enabled = True
+
+    def pairs(self, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {n: (self.lora_A[n].to(dtype), self.lora_B[n].to(dtype)) for n in self.names}
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.enabled:
+            return None
+        return fused_delta(
+            self.fused, x, self.pairs(x.dtype), self.scaling, self.out_features, self.num_kv_heads
+        )
+
+
+def apply_lora(model: GPTModel, spec: ModelSpec, rank: int, alpha: float, targets: list[str], seed: int = 0) -> None:
+    """Freeze the base and attach adapters to every layer's fused linears (parity model only)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    for layer in model.decoder.layers:
+        for fused, path in FUSED_MODULES.items():
+            if any(t in targets for t in FUSED_PARTS[fused]):
+                layer.get_submodule(path).lora = LoRAAdapter(fused, targets, spec, rank, alpha)
+    torch.random.set_rng_state(gen_state)
+
+
+def adapters(model: GPTModel):
+    for i, layer in enumerate(model.decoder.layers):
+        for path in FUSED_MODULES.values():
+            adapter = getattr(layer.get_submodule(path), "lora", None)
+            if adapter is not None:
+                yield i, adapter
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: GPTModel):
+    """The reference policy: the same model with every adapter switched off."""
+    found = [a for _, a in adapters(model)]
+    for a in found:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a in found:
+            a.enabled = True
+
+
+def peft_state_dict(model: GPTModel, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Adapter tensors under peft's names; dtype=None keeps the fp32 master copy."""
+    out = {}
+    for i, adapter in adapters(model):
+        for name in adapter.names:
+            a, b = adapter.lora_A[name].detach(), adapter.lora_B[name].detach()
+            out[peft_key(i, name, "A")] = a if dtype is None else a.to(dtype)
+            out[peft_key(i, name, "B")] = b if dtype is None else b.to(dtype)
+    return out
+
+
+def rollout_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
+    """What the rollout model must hold: the adapter cast to the model dtype, contiguous."""
+    dtype = model.embedding.word_embeddings.weight.dtype
+    return {k: v.contiguous() for k, v in peft_state_dict(model, dtype).items()}
+
+
+def load_peft_state_dict(model: GPTModel, tensors: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for i, adapter in adapters(model):
+            for name in adapter.names:
+                adapter.lora_A[name].copy_(tensors[peft_key(i, name, "A")])
+                adapter.lora_B[name].copy_(tensors[peft_key(i, name, "B")])
+
+
+def peft_config(rank: int, alpha: float, targets: list[str], base_model: str) -> dict:
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+        "lora_dropout": 0.0, "target_modules": sorted(targets), "bias": "none",
+        "base_model_name_or_path": base_model, "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+    }
+
+
+def save_peft(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """Write adapter_model.safetensors + adapter_config.json (caller makes it atomic)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,156 @@
+"""Build a Megatron-core GPTModel from an HF checkpoint directory.
+
+`parity=True` plugs the parity kernels in through the layer spec (linears, norms, core
+attention with RoPE, SwiGLU activation) and re-classes GPTModel's hard-coded output layer;
+`parity=False` is stock Megatron (local spec, Megatron's RoPE and attention) on the same
+weights, the baseline the parity layer is measured against.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from safetensors.torch import load_file
+
+from parity import kernels
+from parity.model_spec import ModelSpec
+from trainer.convert import hf_to_megatron
+from trainer.layers import (
+    ParityColumnParallelLinear,
+    ParityCoreAttention,
+    ParityRMSNorm,
+    ParityRowParallelLinear,
+)
+from trainer.megatron_patches import cpu_current_device
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def transformer_config(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 1) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        layernorm_epsilon=spec.rms_norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=kernels.silu if parity else torch.nn.functional.silu,
+        add_bias_linear=False,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp_size,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Fused CUDA paths do not exist on the CPU and would change numerics on the GPU.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def parity_block_spec(spec: ModelSpec) -> TransformerBlockSubmodules:
+    norm = ParityRMSNorm
+    layer = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ParityColumnParallelLinear,
+                    core_attention=ModuleSpec(
+                        module=ParityCoreAttention,
+                        params={
+                            "rope_theta": spec.rope_theta,
+                            "max_positions": spec.max_position_embeddings,
+                        },
+                    ),
+                    linear_proj=ParityRowParallelLinear,
+                    q_layernorm=norm if spec.qk_norm else IdentityOp,
+                    k_layernorm=norm if spec.qk_norm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=ParityColumnParallelLinear, linear_fc2=ParityRowParallelLinear
+                ),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+    return TransformerBlockSubmodules(layer_specs=[layer] * spec.num_layers, layer_norm=norm)
+
+
+def build_gpt(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 1) -> GPTModel:
+    config = transformer_config(spec, dtype, parity, tp_size)
+    common = dict(
+        config=config,
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        parallel_output=False,
+    )
+    with cpu_current_device():
+        if parity:
+            model = GPTModel(
+                transformer_layer_spec=parity_block_spec(spec), position_embedding_type="none",
+                **common,
+            )
+            # GPTModel hard-codes tensor_parallel.ColumnParallelLinear as its output layer.
+            # ParityColumnParallelLinear only overrides the GEMM, so re-classing the built
+            # module keeps its parameters, TP group and hooks.
+            model.output_layer.__class__ = ParityColumnParallelLinear
+        else:
+            model = GPTModel(
+                transformer_layer_spec=get_gpt_layer_local_spec(
+                    normalization="RMSNorm", qk_layernorm=spec.qk_norm
+                ),
+                position_embedding_type="rope",
+                rotary_base=int(spec.rope_theta),
+                **common,
+            )
+    return model
+
+
+def load_hf_weights(model: GPTModel, model_dir: str | Path, spec: ModelSpec) -> None:
+    hf = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        hf.update(load_file(str(path)))
+    dtype = next(model.parameters()).dtype
+    state = {k: v.to(dtype) for k, v in hf_to_megatron(hf, spec).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"weight mapping mismatch: missing={missing} unexpected={unexpected}")
+
+
+def load_model(model_dir: str | Path, dtype: str = "fp32", parity: bool = True) -> GPTModel:
+    """Megatron GPTModel with the checkpoint's weights (call trainer.megatron_patches.init_megatron first)."""
+    spec = ModelSpec.from_dir(model_dir)
+    model = build_gpt(spec, DTYPES[dtype], parity)
+    load_hf_weights(model, model_dir, spec)
+    return model
