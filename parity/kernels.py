@@ -161,28 +161,32 @@ def _attention_forward(
         v = F.pad(v, (0, 0, 0, 0, 0, padded - length))
     qf = q.float().view(nq, hkv, g, 1, d)
     m = torch.full((nq, hkv, g), -math.inf)
-    l = torch.zeros(nq, hkv, g)
+    denom = torch.zeros(nq, hkv, g)
     acc = torch.zeros(nq, hkv, g, d)
     offsets = torch.arange(KV_BLOCK)
     num_blocks = int(q_pos.max()) // KV_BLOCK + 1 if nq else 0
     for j in range(num_blocks):
         start = j * KV_BLOCK
-        valid = (start + offsets).unsqueeze(0) <= q_pos.unsqueeze(1)  # [nq, B]
-        kb = k[q_seq, start : start + KV_BLOCK].float().permute(0, 2, 1, 3)  # [nq, hkv, B, d]
-        vb = v[q_seq, start : start + KV_BLOCK].float().permute(0, 2, 3, 1)  # [nq, hkv, d, B]
+        # Only queries at or past the block's start take part: a query runs exactly the blocks
+        # 0 .. q_pos // KV_BLOCK, whatever the other queries are, so its bits depend on its own
+        # position alone (decode and whole-sequence forms agree block for block).
+        rows = slice(None) if j == 0 else (q_pos >= start).nonzero().squeeze(1)
+        valid = (start + offsets).unsqueeze(0) <= q_pos[rows].unsqueeze(1)  # [n, B]
+        seqs = q_seq[rows]
+        kb = k[seqs, start : start + KV_BLOCK].float().permute(0, 2, 1, 3)  # [n, hkv, B, d]
+        vb = v[seqs, start : start + KV_BLOCK].float().permute(0, 2, 3, 1)  # [n, hkv, d, B]
         # Masked slots may hold garbage (a paged cache's unused slots): replace, never multiply.
         vb = vb.masked_fill(~valid[:, None, None, :], 0.0)
-        scores = row_sum(qf * kb.unsqueeze(2)) * scale  # [nq, hkv, g, B]
+        scores = row_sum(qf[rows] * kb.unsqueeze(2)) * scale  # [n, hkv, g, B]
         scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
-        # Blocks past a query's position are exact no-ops: max is unchanged, exp(0) = 1,
-        # p = 0, so l and acc are multiplied by 1 and get 0 added.
-        m_new = torch.maximum(m, scores.amax(-1))
-        correction = pointwise(torch.exp, m - m_new)
+        m_old = m[rows]
+        m_new = torch.maximum(m_old, scores.amax(-1))
+        correction = pointwise(torch.exp, m_old - m_new)
         p = pointwise(torch.exp, scores - m_new.unsqueeze(-1))
-        l = l * correction + row_sum(p)
-        acc = acc * correction.unsqueeze(-1) + row_sum(p.unsqueeze(3) * vb.unsqueeze(2))
-        m = m_new
-    out = acc / l.unsqueeze(-1)
+        denom[rows] = denom[rows] * correction + row_sum(p)
+        acc[rows] = acc[rows] * correction.unsqueeze(-1) + row_sum(p.unsqueeze(3) * vb.unsqueeze(2))
+        m[rows] = m_new
+    out = acc / denom.unsqueeze(-1)
     return out.view(nq, hq, d).to(q.dtype)
 
 

@@ -25,6 +25,7 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from parity.checker import add_parity_commands
+    from rl.loop import add_train_commands
     from rl.models import add_model_commands
 
     parser = _Parser(prog="kimi-rl", description="kimi-rl: RL with bit-identical rollout/trainer log-probs")
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_model_commands(commands)
     add_parity_commands(commands)
+    add_train_commands(commands)
     return parser
 
 

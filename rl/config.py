@@ -405,14 +405,27 @@ def _check(cfg: Config, sources: _Sources) -> None:
     if cfg.reward.type == "function" and cfg.reward.function is None:
         raise err("reward.function", "required when reward.type is function (module:attr)",
                   sources.of("reward.type"))
-    if cfg.reward.function is not None and not _CALLABLE_SPEC.fullmatch(cfg.reward.function):
-        raise err("reward.function", f"expected module:attr, got {cfg.reward.function!r}")
+    if cfg.reward.function is not None:
+        if not _CALLABLE_SPEC.fullmatch(cfg.reward.function):
+            raise err("reward.function", f"expected module:attr, got {cfg.reward.function!r}")
+        _importable(cfg.reward.function, "reward.function", sources)
     for i, hook in enumerate(cfg.sync.hooks):
-        if hook not in BUILTIN_HOOKS and not _CALLABLE_SPEC.fullmatch(hook):
-            raise err(f"sync.hooks[{i}]", f"expected one of {', '.join(BUILTIN_HOOKS)} or "
-                      f"module:attr, got {hook!r}")
+        if hook not in BUILTIN_HOOKS:
+            if not _CALLABLE_SPEC.fullmatch(hook):
+                raise err(f"sync.hooks[{i}]", f"expected one of {', '.join(BUILTIN_HOOKS)} or "
+                          f"module:attr, got {hook!r}")
+            _importable(hook, f"sync.hooks[{i}]", sources)
     if cfg.checkpoint.resume_from is not None and not Path(cfg.checkpoint.resume_from).exists():
         raise err("checkpoint.resume_from", f"no such checkpoint: {cfg.checkpoint.resume_from}")
+
+
+def _importable(spec: str, key: str, sources: _Sources) -> None:
+    """User code named in the config is imported while the config is checked, so a typo or a
+    broken module fails before any work starts, with the file and line of the key."""
+    try:
+        resolve_callable(spec, key)
+    except ConfigError as e:
+        raise ConfigError(f"{sources.of(key)}: {e}") from None
 
 
 def resolve_callable(spec: str, key: str = "reward.function") -> Any:

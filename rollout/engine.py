@@ -5,8 +5,18 @@ returns each sampled token's log-prob exactly as vLLM computed it.
 parity kernels, parity attention); `parity=False` runs stock vLLM on the same checkpoint.
 vLLM is imported lazily inside the class, so importing this module stays cheap.
 
-vLLM keeps its default multiprocessing (an EngineCore process): the caller's process stays free
-for torch.distributed. Scripts that build an engine need an `if __name__ == "__main__":` guard.
+By default vLLM keeps its multiprocessing (an EngineCore process): the caller's process stays
+free for torch.distributed. Scripts that build such an engine need an `if __name__ == "__main__":`
+guard. `multiprocess=False` runs the EngineCore and its worker in the caller's process (what a Ray
+actor that owns the engine wants: weight and adapter syncs then hand tensors over by reference).
+In-process, vLLM also: joins (or initialises) torch.distributed in this process, reseeds torch's
+global RNG at start-up and samples from it (so the caller's RNG use changes sampled tokens, never
+log-probs), and caches its environment variables (undone after start-up, see below).
+
+Weight sync. `set_adapter` / `clear_adapter` (parity models) and `update_weights` change the
+running engine's model in place between `generate` calls; `adapter_checksums` and
+`weight_checksums` hash what the model holds, for the caller to compare with what it sent.
+They run on the worker through `LLM.collective_rpc` with the methods of `ParityWorkerExtension`.
 """
 
 from __future__ import annotations
@@ -19,8 +29,12 @@ from pathlib import Path
 
 import torch
 
+from parity.model_spec import ModelSpec
+
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_WORKER_EXTENSION = "rollout.engine.ParityWorkerExtension"
 
 
 @dataclass
@@ -44,15 +58,64 @@ def parity_architecture(model_dir: str | Path) -> str:
 
 
 @contextmanager
-def _environ(values: dict[str, str]):
-    """Set environment variables the user has not set, for the duration of the block."""
-    added = {k: v for k, v in values.items() if k not in os.environ}
-    os.environ.update(added)
+def _environ(values: dict[str, str], *, override: bool = False):
+    """Set environment variables for the duration of the block: only those the user has not
+    set, or (override) all of them, restoring the user's values afterwards."""
+    chosen = {k: v for k, v in values.items() if override or k not in os.environ}
+    saved = {k: os.environ.get(k) for k in chosen}
+    os.environ.update(chosen)
     try:
         yield
     finally:
-        for k in added:
-            os.environ.pop(k, None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _unpack(payload: Tensors | bytes) -> Tensors:
+    """Worker side of _pack: a dict arrives as is (in-process), bytes are safetensors."""
+    if isinstance(payload, dict):
+        return payload
+    from safetensors.torch import load
+
+    return load(bytes(payload))
+
+
+class ParityWorkerExtension:
+    """Methods vLLM mixes into its worker class (`worker_extension_cls`); `self` is the worker,
+    its model `self.model_runner.get_model()`. Called by name through `collective_rpc`: a
+    callable would have to be pickled to reach another process, which vLLM only allows with
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 (pickle on its whole IPC channel)."""
+
+    def _kimi_rl_parity_model(self):
+        from rollout.llama import ParityLlamaForCausalLM
+
+        model = self.model_runner.get_model()
+        if not isinstance(model, ParityLlamaForCausalLM):
+            raise ValueError(f"adapters need a parity model, this engine runs {type(model).__name__}")
+        return model
+
+    def kimi_rl_set_adapter(self, payload: Tensors | bytes, scaling: float) -> None:
+        self._kimi_rl_parity_model().set_adapter(_unpack(payload), scaling)
+
+    def kimi_rl_clear_adapter(self) -> None:
+        self._kimi_rl_parity_model().clear_adapter()
+
+    def kimi_rl_adapter_checksums(self) -> dict[str, str]:
+        return self._kimi_rl_parity_model().adapter_checksums()
+
+    def kimi_rl_update_weights(self, payload: Tensors | bytes) -> None:
+        # vLLM's in-place reload: the model's load_weights through the parameters' (wrapped)
+        # weight loaders, into the live storage.
+        self.reload_weights(weights_iterator=iter(_unpack(payload).items()))
+
+    def kimi_rl_weight_checksums(self) -> dict[str, str]:
+        return self._kimi_rl_parity_model().weight_checksums()
 
 
 def _logprob_of(entry: dict, token_id: int) -> float:
@@ -72,12 +135,15 @@ class RolloutEngine:
         max_num_seqs: int = 32,
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool = True,
+        multiprocess: bool = True,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.model_dir = str(model_dir)
         self.dtype = dtype
         self.parity = parity
+        self.multiprocess = multiprocess
+        self.spec = ModelSpec.from_dir(self.model_dir) if parity else None
         # Small KV cache and both cores, unless the user chose otherwise.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -97,11 +163,17 @@ class RolloutEngine:
         # torch.compiles two sampler helpers (ranks of the returned log-probs, random sampling),
         # ~25 s on the first generate with a cold compile cache. Neither changes a log-prob.
         # Set only while the EngineCore is spawned (it inherits the environment), so this
-        # process's torch is untouched.
+        # process's torch is untouched; in-process it reaches the decorators of the vLLM
+        # modules imported during construction (torch.compile reads it when it decorates).
         import torch._dynamo  # noqa: F401  (reads TORCHDYNAMO_DISABLE at import: do it before)
 
         child_env = {"TORCHDYNAMO_DISABLE": "1"} if enforce_eager else {}
-        with _environ(child_env):
+        mode_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+        # In-process, vLLM's CPU worker replaces torch.set_num_threads with a no-op for the
+        # whole process (it guards the OpenMP binding of a worker process, which in-process
+        # does not exist): keep the caller's.
+        set_num_threads = torch.set_num_threads
+        with _environ(child_env), _environ(mode_env, override=True):
             self.llm = LLM(
                 model=self.model_dir,
                 dtype=DTYPES[dtype],
@@ -112,8 +184,17 @@ class RolloutEngine:
                 enable_chunked_prefill=True,
                 enable_prefix_caching=False,
                 skip_tokenizer_init=not has_tokenizer,
+                worker_extension_cls=_WORKER_EXTENSION,
                 **kwargs,
             )
+        if not multiprocess:
+            import vllm.envs
+
+            torch.set_num_threads = set_num_threads
+            # The in-process EngineCore froze vLLM's view of the environment (enable_envs_cache),
+            # VLLM_ENABLE_V1_MULTIPROCESSING=0 included: thaw it, or every later engine in this
+            # process would run in-process too. vLLM reads that variable only at construction.
+            vllm.envs.disable_envs_cache()
 
     # --- sampling -------------------------------------------------------------------------
 
@@ -174,6 +255,65 @@ class RolloutEngine:
             values = [_logprob_of(entries[i], seq[i]) for i in range(1, len(seq))]
             result.append(torch.tensor(values, dtype=torch.float64).to(torch.float32))
         return result
+
+    # --- weight sync ----------------------------------------------------------------------
+
+    def _rpc(self, method: str, *args):
+        # One worker (no tensor/pipeline parallelism): its result.
+        return self.llm.collective_rpc(method, args=args)[0]
+
+    def _pack(self, tensors: Tensors) -> Tensors | bytes:
+        """In-process the worker gets the dict itself (it copies what it keeps); across
+        processes vLLM's IPC does not carry tensors in rpc arguments, safetensors bytes do."""
+        if not self.multiprocess:
+            return tensors
+        from safetensors.torch import save
+
+        return save({k: v.detach().contiguous() for k, v in tensors.items()})
+
+    def _require_parity(self, what: str) -> None:
+        if not self.parity:
+            raise ValueError(
+                f"{what} needs a parity engine (parity=True); stock vLLM LoRA is not supported"
+            )
+
+    def set_adapter(self, tensors: Tensors, scaling: float) -> None:
+        """Compute with a LoRA adapter from now on, replacing any previous one: `tensors` by
+        peft name (parity.lora.peft_key) in the engine dtype, e.g.
+        trainer.lora.rollout_tensors(model); `scaling` = alpha / rank."""
+        self._require_parity("set_adapter")
+        from rollout.llama import adapter_pairs
+
+        # The worker checks again; checking here first raises ValueError in this process
+        # (across processes vLLM turns a worker's exception into a bare Exception) and sends
+        # nothing that would be refused.
+        adapter_pairs(self.spec, _TORCH_DTYPES[self.dtype], tensors, scaling)
+        self._rpc("kimi_rl_set_adapter", self._pack(tensors), float(scaling))
+
+    def clear_adapter(self) -> None:
+        """Back to the base model, bitwise."""
+        self._require_parity("clear_adapter")
+        self._rpc("kimi_rl_clear_adapter")
+
+    def adapter_checksums(self) -> dict[str, str]:
+        """{peft name: sha256 hex of the tensor's bytes as the rollout model holds it}."""
+        self._require_parity("adapter_checksums")
+        return self._rpc("kimi_rl_adapter_checksums")
+
+    def update_weights(self, named: Tensors) -> None:
+        """Copy full weights, by HF checkpoint name, into the running model (vLLM's in-place
+        reload; values are cast to the engine dtype as on a checkpoint load). Weights not
+        named keep their values (vLLM logs them as not loaded)."""
+        if self.parity:
+            from rollout.llama import check_hf_weights
+
+            check_hf_weights(self.spec, named)
+        self._rpc("kimi_rl_update_weights", self._pack(named))
+
+    def weight_checksums(self) -> dict[str, str]:
+        """{HF checkpoint name: sha256 hex of the weight the rollout model holds}."""
+        self._require_parity("weight_checksums")
+        return self._rpc("kimi_rl_weight_checksums")
 
     # --- lifetime -------------------------------------------------------------------------
 

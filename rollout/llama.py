@@ -19,17 +19,25 @@ Per layer (the trainer does exactly the same sequence):
 
 then `rms_norm(x, norm)`; `compute_logits` is `linear(x, lm_head)` in the model dtype (vLLM's
 sampler turns it into log-probs with `log_softmax(dtype=float32)`, i.e. `kernels.log_softmax`).
+
+LoRA. Each fused linear can hold an adapter (`set_adapter`, peft-named tensors in the model
+dtype). Its output is then `linear(x, W) + parity.lora.fused_delta(...)`, the very ops the
+trainer's `_LoRAMixin` runs, so log-probs stay bitwise equal to the trainer with the adapter on.
+Without an adapter a linear runs only `linear(x, W)`, the base path.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from parity import kernels, layouts
+from parity.lora import FUSED_PARTS, TARGETS, Pair, fused_delta, part_shapes, peft_key
 from parity.model_spec import ModelSpec
 from rollout.attention import ParityAttentionBackend
 
@@ -42,6 +50,54 @@ class _Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+class _FusedLinear(_Weight):
+    """A fused linear ("qkv" | "o" | "gate_up" | "down") that can hold a LoRA adapter.
+
+    The adapter's pairs are a plain dict attribute, not registered parameters or buffers:
+    vLLM's in-place weight reload and its weight checksums walk the registered tensors, and an
+    adapter is not part of the checkpoint.
+    """
+
+    def __init__(self, fused: str, spec: ModelSpec, dtype: torch.dtype) -> None:
+        shapes = part_shapes(spec)
+        parts = FUSED_PARTS[fused]
+        super().__init__(sum(shapes[n][1] for n in parts), shapes[parts[0]][0], dtype=dtype)
+        self.fused = fused
+        self.out_features = {n: shapes[n][1] for n in parts}
+        self.num_kv_heads = spec.num_kv_heads
+        self.pairs: dict[str, Pair] = {}  # HF target -> (A [r, in], B [out, r]), model dtype
+        self.scaling = 0.0
+
+    def hold(self, pairs: dict[str, Pair], scaling: float) -> None:
+        """Hold copies of `pairs` (only this linear's parts, already validated). A pair whose
+        shapes match the held one is copied into the held tensors, so repeated syncs of the
+        same adapter do not allocate. Copies, never references: in-process, the caller's
+        tensors may be the trainer's live parameters."""
+        held = {}
+        for name, (a, b) in pairs.items():
+            old = self.pairs.get(name)
+            if old is not None and old[0].shape == a.shape and old[1].shape == b.shape:
+                old[0].copy_(a)
+                old[1].copy_(b)
+                held[name] = old
+            else:
+                held[name] = (
+                    a.clone(memory_format=torch.contiguous_format),
+                    b.clone(memory_format=torch.contiguous_format),
+                )
+        self.pairs = held
+        self.scaling = scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = kernels.linear(x, self.weight)
+        if not self.pairs:
+            return out
+        # Non-empty pairs cover a part of this linear, so the delta is never None here.
+        return out + fused_delta(
+            self.fused, x, self.pairs, self.scaling, self.out_features, self.num_kv_heads
+        )
+
+
 class ParityAttention(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, cache_config, prefix: str) -> None:
         from vllm.model_executor.layers.attention import Attention
@@ -49,8 +105,8 @@ class ParityAttention(nn.Module):
         super().__init__()
         self.spec = spec
         d, hq, hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
-        self.qkv_proj = _Weight((hq + 2 * hkv) * d, spec.hidden_size, dtype=dtype)
-        self.o_proj = _Weight(spec.hidden_size, hq * d, dtype=dtype)
+        self.qkv_proj = _FusedLinear("qkv", spec, dtype)
+        self.o_proj = _FusedLinear("o", spec, dtype)
         if spec.qk_norm:
             self.q_norm = _Weight(d, dtype=dtype)
             self.k_norm = _Weight(d, dtype=dtype)
@@ -67,28 +123,24 @@ class ParityAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         s = self.spec
-        q, k, v = layouts.split_qkv(
-            kernels.linear(h, self.qkv_proj.weight), s.num_heads, s.num_kv_heads, s.head_dim
-        )
+        q, k, v = layouts.split_qkv(self.qkv_proj(h), s.num_heads, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q = kernels.rms_norm(q, self.q_norm.weight, s.rms_norm_eps)
             k = kernels.rms_norm(k, self.k_norm.weight, s.rms_norm_eps)
         q = kernels.apply_rope(q, positions, self.rope)
         k = kernels.apply_rope(k, positions, self.rope)
         o = self.attn(q.contiguous(), k.contiguous(), v.contiguous())  # [T, Hq * D]
-        return kernels.linear(o, self.o_proj.weight)
+        return self.o_proj(o)
 
 
 class ParityMLP(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_proj = _Weight(2 * spec.intermediate_size, spec.hidden_size, dtype=dtype)
-        self.down_proj = _Weight(spec.hidden_size, spec.intermediate_size, dtype=dtype)
+        self.gate_up_proj = _FusedLinear("gate_up", spec, dtype)
+        self.down_proj = _FusedLinear("down", spec, dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(
-            kernels.silu_and_mul(kernels.linear(h, self.gate_up_proj.weight)), self.down_proj.weight
-        )
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(h)))
 
 
 class ParityDecoderLayer(nn.Module):
@@ -144,6 +196,100 @@ _DIRECT = {
 _QKV = {"self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v"}
 _GATE_UP = {"mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up"}
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.(cos|sin)_cached$")
+# peft's LoRA names (parity.lora.peft_key): layer, target, "A" | "B".
+_PEFT_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight$")
+
+
+def sha256_hex(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's raw bytes in row-major order (any dtype, bf16 included)."""
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy()).hexdigest()
+
+
+def hf_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight a checkpoint may hold for `spec`, by HF name (lm_head too:
+    load_weights skips it when the embeddings are tied)."""
+    h, shapes = spec.hidden_size, part_shapes(spec)
+    out: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (spec.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (spec.vocab_size, h),
+    }
+    for i in range(spec.num_layers):
+        base = f"model.layers.{i}."
+        out[base + "input_layernorm.weight"] = (h,)
+        out[base + "post_attention_layernorm.weight"] = (h,)
+        for target, (fan_in, fan_out) in shapes.items():
+            block = "self_attn" if target in FUSED_PARTS["qkv"] + FUSED_PARTS["o"] else "mlp"
+            out[f"{base}{block}.{target}.weight"] = (fan_out, fan_in)
+        if spec.qk_norm:
+            out[base + "self_attn.q_norm.weight"] = (spec.head_dim,)
+            out[base + "self_attn.k_norm.weight"] = (spec.head_dim,)
+    return out
+
+
+def check_hf_weights(spec: ModelSpec, named: dict[str, torch.Tensor]) -> None:
+    """ValueError unless `named` is a set of known HF weights with the right shapes, whose fused
+    groups (q/k/v, gate/up of a layer) are complete. Checked before an in-place reload starts:
+    vLLM's reload moves the parameters to the meta device first, so a load_weights that fails
+    half-way would leave the model without weights."""
+    shapes = hf_weight_shapes(spec)
+    groups: dict[tuple[int, str], set[str]] = {}
+    for name, tensor in named.items():
+        if _IGNORED.search(name):
+            continue
+        if name not in shapes:
+            raise ValueError(f"unexpected weight {name!r}")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {shapes[name]}")
+        if (m := _LAYER_RE.match(name)) and (m[2] in _QKV or m[2] in _GATE_UP):
+            kind = "qkv" if m[2] in _QKV else "gate_up"
+            groups.setdefault((int(m[1]), kind), set()).add(m[2])
+    for (i, kind), parts in sorted(groups.items()):
+        wanted = set(_QKV if kind == "qkv" else _GATE_UP)
+        if parts != wanted:
+            raise ValueError(f"layer {i}: {sorted(wanted - parts)} missing, fused with {sorted(parts)}")
+
+
+def adapter_pairs(
+    spec: ModelSpec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], scaling: float
+) -> dict[tuple[int, str], Pair]:
+    """Check a LoRA adapter for a model (peft names, the model dtype, rank-r shapes, finite
+    scaling; ValueError otherwise) and pair its tensors: {(layer, target): (A, B)}."""
+    if not tensors:
+        raise ValueError("empty adapter (clear_adapter removes one)")
+    if not math.isfinite(scaling):
+        raise ValueError(f"scaling must be finite, got {scaling}")
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        m = _PEFT_RE.match(name)
+        if m is None or m[2] not in TARGETS or peft_key(int(m[1]), m[2], m[3]) != name:
+            raise ValueError(f"not a peft LoRA tensor name: {name!r}")
+        layer, target, which = int(m[1]), m[2], m[3]
+        if layer >= spec.num_layers:
+            raise ValueError(f"{name}: the model has {spec.num_layers} layers")
+        if tensor.dtype != dtype:
+            # A silent cast here could round differently from the trainer's: the caller sends
+            # the tensors the trainer computes with (trainer.lora.rollout_tensors).
+            raise ValueError(f"{name}: dtype {tensor.dtype}, the model computes in {dtype}")
+        found.setdefault((layer, target), {})[which] = tensor.detach()
+    shapes = part_shapes(spec)
+    pairs = {}
+    for (layer, target), ab in found.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"layer {layer} {target}: needs lora_A and lora_B, got {sorted(ab)}")
+        a, b = ab["A"], ab["B"]
+        fan_in, fan_out = shapes[target]
+        if not (
+            a.dim() == 2 and b.dim() == 2 and a.shape[0] == b.shape[1] > 0
+            and a.shape[1] == fan_in and b.shape[0] == fan_out
+        ):
+            raise ValueError(
+                f"layer {layer} {target}: A {tuple(a.shape)} and B {tuple(b.shape)} are not"
+                f" [r, {fan_in}] and [{fan_out}, r]"
+            )
+        pairs[(layer, target)] = (a, b)
+    return pairs
 
 
 class ParityLlamaForCausalLM(nn.Module):
@@ -261,3 +407,64 @@ class ParityLlamaForCausalLM(nn.Module):
             self._pending.clear()
             raise ValueError(f"incomplete fused weights in checkpoint: {sorted(incomplete)}")
         return loaded
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The held weights under their HF checkpoint names: the inverse of load_weights
+        (fused tensors are unpacked, which moves bytes and changes none)."""
+        s = self.spec
+        params = dict(self.named_parameters())
+        yield "model.embed_tokens.weight", params["model.embed_tokens.weight"]
+        for i in range(s.num_layers):
+            base = f"model.layers.{i}."
+            for name in _DIRECT:
+                if base + name in params:
+                    yield base + name, params[base + name]
+            qkv = layouts.unpack_qkv(
+                params[base + "self_attn.qkv_proj.weight"], s.num_heads, s.num_kv_heads, s.head_dim
+            )
+            for name, tensor in zip(_QKV, qkv, strict=True):
+                yield base + name, tensor
+            gate_up = layouts.unpack_gate_up(params[base + "mlp.gate_up_proj.weight"])
+            for name, tensor in zip(_GATE_UP, gate_up, strict=True):
+                yield base + name, tensor
+        yield "model.norm.weight", params["model.norm.weight"]
+        if not s.tie_word_embeddings:
+            yield "lm_head.weight", params["lm_head.weight"]
+
+    def weight_checksums(self) -> dict[str, str]:
+        """sha256 of every held weight, by HF checkpoint name."""
+        return {name: sha256_hex(tensor) for name, tensor in self.hf_weights()}
+
+    # --- LoRA -------------------------------------------------------------------------------
+
+    def _fused_linears(self) -> Iterator[tuple[int, _FusedLinear]]:
+        for i, layer in enumerate(self.model.layers):
+            for linear in (
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj, layer.mlp.down_proj,
+            ):
+                yield i, linear
+
+    def set_adapter(self, tensors: dict[str, torch.Tensor], scaling: float) -> None:
+        """Hold a LoRA adapter, replacing the previous one: `tensors` by peft name
+        (parity.lora.peft_key), in the model dtype; `scaling` = alpha / rank. Everything is
+        checked before anything changes, so a bad adapter leaves the held one in place."""
+        pairs = adapter_pairs(self.spec, self.dtype, tensors, scaling)
+        with torch.no_grad():
+            for i, linear in self._fused_linears():
+                mine = {t: p for (layer, t), p in pairs.items() if layer == i and t in linear.out_features}
+                linear.hold(mine, float(scaling))
+
+    def clear_adapter(self) -> None:
+        """Drop the adapter: every linear takes the base path again."""
+        for _, linear in self._fused_linears():
+            linear.hold({}, 0.0)
+
+    def adapter_checksums(self) -> dict[str, str]:
+        """sha256 of each held adapter tensor, by peft name; empty without an adapter."""
+        return {
+            peft_key(i, target, which): sha256_hex(tensor)
+            for i, linear in self._fused_linears()
+            for target, pair in linear.pairs.items()
+            for which, tensor in zip("AB", pair, strict=True)
+        }

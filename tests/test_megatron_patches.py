@@ -34,10 +34,17 @@ def test_current_device_shim_needed_and_applies(model_factory, megatron):
 
 
 def test_rng_tracker_shim_needed(megatron):
+    """Megatron's default (CUDA) RNG tracker still needs CUDA to seed; the inference tracker
+    that init_megatron installs on the CPU does not."""
     from megatron.core.tensor_parallel import random as mrandom
 
     try:
-        with pytest.raises((AssertionError, RuntimeError)):
+        mrandom.initialize_rng_tracker(force_reset=True)  # the stock CUDA tracker
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
             mrandom.model_parallel_cuda_manual_seed(0)
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        mrandom.model_parallel_cuda_manual_seed(0)  # the shim applies: seeding works
+        with mrandom.get_cuda_rng_tracker().fork():
+            pass
     finally:
         mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

@@ -16,6 +16,7 @@ import random
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from parity import kernels, layouts
 from parity.model_spec import ModelSpec
@@ -36,8 +37,6 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 def reference_logprobs(model_dir: str, dtype: torch.dtype, seq: list[int]) -> torch.Tensor:
     """log p(seq[i] | seq[:i]) from a direct whole-sequence forward with the parity kernels,
     written from the HF checkpoint alone (no vLLM, no rollout code)."""
-    from safetensors.torch import load_file
-
     s = ModelSpec.from_dir(model_dir)
     w: dict[str, torch.Tensor] = {}
     for path in sorted(glob.glob(f"{model_dir}/*.safetensors")):
@@ -171,19 +170,26 @@ def test_math_agrees_with_hf_transformers(case):
 
 def test_stock_engine_generates(model_factory):
     """(d) parity=False runs stock vLLM on the same weights and returns finite log-probs, close
-    to (not bitwise equal to) the parity math."""
+    to (not bitwise equal to) the parity math. It refuses adapters (a parity-model feature) and
+    takes a full-weight sync."""
     model_dir = model_factory("llama", "fp32")
     rng = random.Random(1)
     prompts = [_ids(rng, 9), _ids(rng, 40)]
     with RolloutEngine(model_dir, dtype="fp32", parity=False, max_model_len=1024) as engine:
         completions = engine.generate(prompts, max_tokens=8, ignore_eos=True)
         teacher = engine.prompt_logprobs([completions[1].prompt_ids + completions[1].token_ids])[0]
+        with pytest.raises(ValueError, match="parity engine"):
+            engine.set_adapter({}, 1.0)
+        # A full-weight sync goes through vLLM's own loader (oneDNN repacking included).
+        engine.update_weights(load_file(f"{model_dir}/model.safetensors"))
+        resynced = engine.prompt_logprobs([completions[1].prompt_ids + completions[1].token_ids])[0]
     for c in completions:
         assert len(c.token_ids) == 8
         assert c.rollout_logprobs.dtype == torch.float32
         assert torch.isfinite(c.rollout_logprobs).all()
     ref = reference_logprobs(model_dir, torch.float32, completions[1].prompt_ids + completions[1].token_ids)
     assert (teacher - ref).abs().max().item() < 1e-4
+    assert torch.equal(resynced, teacher)
 
 
 def test_reload_weights_in_place(case, tmp_path):

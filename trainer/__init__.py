@@ -2,3 +2,10 @@
 kernels plugged in through a layer spec, HF <-> Megatron weight conversion, the CPU shims that
 megatron-core 0.16.1 needs (one module), and the function that scores token sequences into
 per-token log-probs. Nothing here imports vLLM."""
+
+import warnings
+
+# megatron-core 0.16.1 warns at import that Transformer Engine / Apex are absent and that a
+# config default is deprecated; the trainer uses neither TE nor Apex by design.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed", category=UserWarning)
+warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)

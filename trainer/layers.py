@@ -23,14 +23,48 @@ def _parity_linear(input, weight, bias, allreduce_dgrad, tp_group, **_):
     return kernels.linear(input, weight, bias)
 
 
+# The adapter slot a parity linear uses unless switched: the policy, the one the rollout mirrors.
+POLICY_ADAPTER = "policy"
+
+
 class _LoRAMixin:
-    """An optional adapter (trainer.lora.LoRAAdapter) whose delta is added to the output."""
+    """Named adapters (trainer.lora.LoRAAdapter), at most one active; its delta is added.
+
+    `lora` is a ModuleDict of slot name -> adapter, registered once an adapter is attached;
+    `lora_active` names the slot in use (None: the base alone). Several slots let the policy
+    and the critic share one frozen base, each through its own adapter.
+    """
+
+    lora_active: str | None = POLICY_ADAPTER
+
+    def active_adapter(self):
+        slots = getattr(self, "lora", None)
+        if slots is None or self.lora_active not in slots:
+            return None
+        return slots[self.lora_active]
 
     def forward(self, input_, *args, **kwargs):
         out, bias = super().forward(input_, *args, **kwargs)
-        adapter = getattr(self, "lora", None)  # a registered submodule once attached
+        adapter = self.active_adapter()
         delta = adapter.delta(input_) if adapter is not None else None
         return (out if delta is None else out + delta), bias
+
+
+class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
+    """Megatron's own GEMM plus the adapter hook: LoRA on the stock (parity=False) model."""
+
+
+class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
+    """Megatron's own GEMM plus the adapter hook: LoRA on the stock (parity=False) model."""
+
+
+def with_lora_hook(linear: torch.nn.Module) -> torch.nn.Module:
+    """Give a stock Megatron linear the adapter hook by re-classing it in place (it keeps its
+    parameters, TP group and hooks); parity linears already have it."""
+    if not isinstance(linear, _LoRAMixin):
+        hooked = {ColumnParallelLinear: LoRAColumnParallelLinear, RowParallelLinear: LoRARowParallelLinear}
+        linear.__class__ = hooked[type(linear)]
+    return linear
 
 
 class ParityColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):

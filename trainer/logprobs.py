@@ -24,18 +24,20 @@ def sequence_logprobs(
 ) -> list[torch.Tensor]:
     """For each sequence, log p(seq[i] | seq[:i]) for i in [start, len): float32 [len - start].
 
-    Sequences are right-padded into batches; causal attention keeps padding out of the
-    scored positions.
+    Sequences are batched by length (results come back in the given order) and right-padded;
+    causal attention keeps padding out of the scored positions. The kernels are batch
+    invariant, so the grouping changes the cost, never a bit of the result.
     """
-    out: list[torch.Tensor] = []
-    for i in range(0, len(sequences), batch_size):
-        batch, batch_starts = sequences[i : i + batch_size], starts[i : i + batch_size]
-        width = max(len(s) for s in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, seq in enumerate(batch):
-            ids[row, : len(seq)] = torch.tensor(seq)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    out: list[torch.Tensor | None] = [None] * len(sequences)
+    for i in range(0, len(order), batch_size):
+        rows = order[i : i + batch_size]
+        width = max(len(sequences[r]) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for row, r in enumerate(rows):
+            ids[row, : len(sequences[r])] = torch.tensor(sequences[r])
         logits = forward_logits(model, ids)
         logp = kernels.token_logprobs(logits[:, :-1], ids[:, 1:])  # position j scores token j+1
-        for row, (seq, start) in enumerate(zip(batch, batch_starts, strict=True)):
-            out.append(logp[row, start - 1 : len(seq) - 1].float())
-    return out
+        for row, r in enumerate(rows):
+            out[r] = logp[row, starts[r] - 1 : len(sequences[r]) - 1].float()
+    return out  # type: ignore[return-value]

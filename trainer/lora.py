@@ -6,6 +6,10 @@ hands out exactly those cast tensors, so the rollout model computes with the sam
 reference policy is the base model with adapters switched off (`adapters_disabled`), not a
 second model copy. `peft_state_dict` / `save_peft` write peft's format, loadable by HF
 transformers + peft and by vLLM's --enable-lora.
+
+A linear can hold several named adapters ("slots", see trainer.layers) with one active at a
+time: the policy ("policy", active by default) and e.g. a PPO critic ("critic") that shares
+the frozen base. `adapter_active` switches slots for a forward.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from megatron.core.models.gpt import GPTModel
 
 from parity.lora import FUSED_PARTS, fused_delta, part_shapes, peft_key
 from parity.model_spec import ModelSpec
+from trainer.layers import POLICY_ADAPTER, with_lora_hook
 
 # Megatron module (relative to a decoder layer) of each fused linear.
 FUSED_MODULES = {
@@ -49,55 +54,83 @@ class LoRAAdapter(torch.nn.Module):
             torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # peft's default init
             self.lora_A[name] = torch.nn.Parameter(a)
             self.lora_B[name] = torch.nn.Parameter(torch.zeros(fan_out, rank))
-        self.enabled = True
 
     def pairs(self, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {n: (self.lora_A[n].to(dtype), self.lora_B[n].to(dtype)) for n in self.names}
 
     def delta(self, x: torch.Tensor) -> torch.Tensor | None:
-        if not self.enabled:
-            return None
         return fused_delta(
             self.fused, x, self.pairs(x.dtype), self.scaling, self.out_features, self.num_kv_heads
         )
 
 
-def apply_lora(model: GPTModel, spec: ModelSpec, rank: int, alpha: float, targets: list[str], seed: int = 0) -> None:
-    """Freeze the base and attach adapters to every layer's fused linears (parity model only)."""
-    for p in model.parameters():
-        p.requires_grad_(False)
+def apply_lora(
+    model: GPTModel, spec: ModelSpec, rank: int, alpha: float, targets: list[str], seed: int = 0,
+    name: str = POLICY_ADAPTER,
+) -> None:
+    """Freeze the base and attach adapters in slot `name` to every layer's fused linears
+    (stock linears of a parity=False model get the hook first). The adapters' random init
+    draws from `seed` alone."""
+    for n, p in model.named_parameters():
+        if ".lora." not in n:  # adapters already attached in other slots keep training
+            p.requires_grad_(False)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     for layer in model.decoder.layers:
         for fused, path in FUSED_MODULES.items():
             if any(t in targets for t in FUSED_PARTS[fused]):
-                layer.get_submodule(path).lora = LoRAAdapter(fused, targets, spec, rank, alpha)
+                linear = with_lora_hook(layer.get_submodule(path))
+                if getattr(linear, "lora", None) is None:
+                    linear.lora = torch.nn.ModuleDict()
+                linear.lora[name] = LoRAAdapter(fused, targets, spec, rank, alpha)
     torch.random.set_rng_state(gen_state)
 
 
-def adapters(model: GPTModel):
+def _lora_linears(model: GPTModel):
     for i, layer in enumerate(model.decoder.layers):
         for path in FUSED_MODULES.values():
-            adapter = getattr(layer.get_submodule(path), "lora", None)
-            if adapter is not None:
-                yield i, adapter
+            linear = layer.get_submodule(path)
+            if getattr(linear, "lora", None) is not None:
+                yield i, linear
+
+
+def adapters(model: GPTModel, name: str = POLICY_ADAPTER):
+    """(layer index, adapter) for every adapter in slot `name`."""
+    for i, linear in _lora_linears(model):
+        if name in linear.lora:
+            yield i, linear.lora[name]
+
+
+def adapter_parameters(model: GPTModel, name: str = POLICY_ADAPTER) -> list[tuple[str, torch.nn.Parameter]]:
+    """The (model-qualified name, parameter) pairs of slot `name`, in a fixed order."""
+    return [(n, p) for n, p in model.named_parameters() if f".lora.{name}." in n]
 
 
 @contextlib.contextmanager
-def adapters_disabled(model: GPTModel):
-    """The reference policy: the same model with every adapter switched off."""
-    found = [a for _, a in adapters(model)]
-    for a in found:
-        a.enabled = False
+def _active(model: GPTModel, name: str | None):
+    linears = [linear for _, linear in _lora_linears(model)]
+    previous = [linear.lora_active for linear in linears]
+    for linear in linears:
+        linear.lora_active = name
     try:
         yield
     finally:
-        for a in found:
-            a.enabled = True
+        for linear, active in zip(linears, previous, strict=True):
+            linear.lora_active = active
+
+
+def adapters_disabled(model: GPTModel):
+    """The reference policy: the same model with every adapter switched off."""
+    return _active(model, None)
+
+
+def adapter_active(model: GPTModel, name: str):
+    """Forward through slot `name` instead of the policy (linears without it run the base)."""
+    return _active(model, name)
 
 
 def peft_state_dict(model: GPTModel, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Adapter tensors under peft's names; dtype=None keeps the fp32 master copy."""
+    """The policy adapter's tensors under peft's names; dtype=None keeps the fp32 master copy."""
     out = {}
     for i, adapter in adapters(model):
         for name in adapter.names:

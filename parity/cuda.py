@@ -1,0 +1,538 @@
+"""The parity kernels on CUDA: Triton kernels for every reduction, torch for element-wise ops.
+
+`parity.kernels` dispatches here when its input lives on a CUDA device (`if x.is_cuda:`); the
+CPU code paths there are untouched. The rule is the one of `parity.kernels`, restated for a GPU:
+
+    every reduction runs in a fixed order that depends on the model config alone (never on the
+    number of rows, the batch, chunking or decode vs. training).
+
+Stock CUDA kernels break it in two ways: cuBLAS picks its GEMM kernel (tile shape, split-K) from
+M, N and K, so a row's bits depend on how many rows travel with it; torch's reductions (sum,
+mean) pick their block layout, and whether a row is split across threads, from the number of
+outputs. Here every reduction is a Triton kernel whose launch constants are functions of the
+model shapes (N, K, hidden size, head dim, dtype) only, and in which one program owns each
+output row or tile with no cross-program (split-K / split-KV) accumulation. Inside one program a
+row's arithmetic never reads another row's data: a `tl.dot` output element only depends on its
+own row of A and column of B, and padding rows (masked loads of 0) are never stored.
+
+Element-wise ops (SiLU, exp, RoPE's mul/add, casts) stay plain torch: on CUDA each element is
+computed by the same scalar functor whatever its position (vectorised and tail loads share
+it), so no CPU-style chunking is needed; tests/test_cuda_kernels.py checks it on the device.
+`log_softmax` needs no CUDA branch: vLLM's sampler calls the very same torch op, whose CUDA
+kernel reduces each row in one block sized from the vocabulary alone (checked on the device).
+
+Backward passes (training) are plain torch math: correct, not bit-stable. Only the forward must
+be invariant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with every CUDA torch wheel
+    triton = None
+    tl = None
+
+# Keys per attention block: the same block walk as parity.kernels (asserted by a test).
+KV_BLOCK = 64
+
+
+def _require_triton() -> None:
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("the CUDA parity kernels need triton (it ships with CUDA torch)")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# --------------------------------------------------------------------------------------------
+# Launch plans (pure Python: CPU-testable)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Launch constants of the GEMM. No split-K field on purpose: one program owns a
+    BLOCK_M x BLOCK_N output tile and walks K in BLOCK_K steps from 0 to K, in order."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    input_precision: str  # "ieee" for fp32 (exact fp32 FMAs, no tf32); bf16/fp16 use tensor cores
+    group_m: int = 8  # program order swizzle for L2 reuse; changes no arithmetic
+
+
+def linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """The GEMM's launch constants for a weight [n, k] of `dtype`.
+
+    Deliberately a function of the weight alone: the number of rows M is not an argument, so a
+    row meets the same kernel, tile shape and K order in decode (M = 1) and in training
+    (M = batch x sequence)."""
+    if dtype == torch.float32:
+        return LinearConfig(64, 64, 32, num_warps=4, num_stages=3, input_precision="ieee")
+    if dtype in (torch.bfloat16, torch.float16):
+        return LinearConfig(128, 128, 64, num_warps=8, num_stages=3, input_precision="tf32")
+    raise TypeError(f"parity linear supports fp32, bf16 and fp16, not {dtype}")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_q: int  # query rows per program (all from one sequence)
+    num_warps: int
+    num_stages: int
+    input_precision: str
+
+
+def attention_config(head_dim: int, dtype: torch.dtype) -> AttentionConfig:
+    """Attention's launch constants: a function of head_dim and dtype only (the model config)."""
+    if dtype == torch.float32:
+        return AttentionConfig(16, num_warps=4, num_stages=1, input_precision="ieee")
+    if dtype in (torch.bfloat16, torch.float16):
+        return AttentionConfig(64, num_warps=4, num_stages=2, input_precision="tf32")
+    raise TypeError(f"parity attention supports fp32, bf16 and fp16, not {dtype}")
+
+
+def attention_tile_plan(q_seq: torch.Tensor, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group queries into tiles of at most `block_q` queries of one sequence.
+
+    Returns (tiles [T, block_q] int32 query indices, -1 = empty slot; tile_seq [T] int32).
+    Queries keep their given order inside a sequence. Which queries share a tile changes no
+    query's bits (rows of a tile never mix; see `_attention_kernel`), it only decides how many
+    key blocks a tile walks (up to its largest position)."""
+    q_seq = q_seq.detach().to("cpu", torch.int64).reshape(-1)
+    n = q_seq.numel()
+    if n == 0:
+        return torch.empty(0, block_q, dtype=torch.int32), torch.empty(0, dtype=torch.int32)
+    order = torch.sort(q_seq, stable=True).indices
+    s = q_seq[order]
+    _, counts = torch.unique_consecutive(s, return_counts=True)
+    run = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    run_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(n) - run_start[run]
+    tiles_per_run = -(-counts // block_q)
+    tile_start = torch.cumsum(tiles_per_run, 0) - tiles_per_run
+    tile_id = tile_start[run] + rank // block_q
+    num_tiles = int(tiles_per_run.sum())
+    tiles = torch.full((num_tiles, block_q), -1, dtype=torch.int32)
+    tiles[tile_id, rank % block_q] = order.to(torch.int32)
+    tile_seq = torch.empty(num_tiles, dtype=torch.int32)
+    tile_seq[tile_id] = s.to(torch.int32)
+    return tiles, tile_seq
+
+
+def check_attention_shapes(q, k, v, q_seq, q_pos) -> None:
+    """Shape / range checks of kernels.attention's contract (raises ValueError)."""
+    if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"attention wants q [Nq, Hq, D] and k, v [R, L, Hkv, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    nq, hq, d = q.shape
+    r, length, hkv, dk = k.shape
+    if dk != d:
+        raise ValueError(f"head_dim of q ({d}) and k ({dk}) differ")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) are not a multiple of KV heads ({hkv})")
+    if q_seq.shape != (nq,) or q_pos.shape != (nq,):
+        raise ValueError(f"q_seq and q_pos must have shape ({nq},)")
+    if d < 16:
+        raise ValueError(f"the CUDA attention kernel needs head_dim >= 16, got {d}")
+    for name, t, hi in (("q_seq", q_seq, r), ("q_pos", q_pos, length)):
+        if t.device.type == "cpu" and nq and (int(t.min()) < 0 or int(t.max()) >= hi):
+            raise ValueError(f"{name} values must lie in [0, {hi})")
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["M"])
+    def _linear_kernel(
+        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        # Why invariant: the tile shape and the K walk (0, BLOCK_K, 2 BLOCK_K, ...) come from
+        # linear_config(N, K, dtype), never from M; one program accumulates its whole K range
+        # (no split-K); a tl.dot output element reads only its own row of x, so rows that are
+        # padding (masked to 0) or other requests' rows cannot change it. M is excluded from
+        # Triton's value specialisation so M = 1 compiles the same code as M = 4096.
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_n
+        first_m = (pid // group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % size_m
+        pid_n = (pid % group) // size_m
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            a = tl.load(
+                x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0,
+            )
+            b = tl.load(
+                w_ptr + rn[None, :] * stride_wn + kk[:, None],
+                mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0,
+            )
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        tl.store(
+            y_ptr + rm[:, None] * stride_ym + rn[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
+
+    @triton.jit
+    def _rms_normalize_kernel(x_ptr, y_ptr, inv_ptr, H, eps, BLOCK_H: tl.constexpr):
+        # Why invariant: one program per row; the row is reduced by tl.sum over a block of
+        # BLOCK_H = next_pow2(hidden) lanes, a reduction tree fixed at compile time by
+        # BLOCK_H and num_warps (both from the hidden size), whatever the number of rows.
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_H)
+        mask = offs < H
+        h = tl.load(x_ptr + row * H + offs, mask=mask, other=0.0).to(tl.float32)
+        var = tl.sum(h * h, axis=0) / H
+        inv = 1.0 / tl.sqrt(var + eps)
+        tl.store(inv_ptr + row, inv)
+        tl.store(y_ptr + row * H + offs, (h * inv).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _row_sum_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+        # Why invariant: one program per row, a compile-time reduction tree over BLOCK lanes.
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * N + offs, mask=offs < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row, tl.sum(x, axis=0).to(y_ptr.dtype.element_ty))
+
+    @triton.jit(do_not_specialize=["num_tiles", "L", "stride_kr", "G"])
+    def _attention_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, tiles_ptr, tile_seq_ptr,
+        num_tiles, L, G, scale,
+        stride_qn, stride_qh, stride_kr, stride_kl, stride_kh,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+        KV_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        # Why invariant: a query row's result is an online softmax over key blocks
+        # 0, 1, ..., pos // KV_BLOCK of its own sequence, visited in that order, exactly the
+        # walk of the CPU kernel. Within a block, scores = q . k over D and p @ v over
+        # KV_BLOCK keys are tl.dot reductions whose order is fixed by (BLOCK_Q, KV_BLOCK,
+        # BLOCK_D), all set by head_dim and dtype. Rows of a tile never mix (a dot output row
+        # reads only its own q row / p row). A tile walks up to its largest position; for a
+        # row past its own position those blocks are exact no-ops (max unchanged,
+        # correction exp(0) = 1, p = 0, so l and acc get 1x and +0). Keys past the tile's
+        # largest position (a paged cache's unused slots, possibly NaN/inf) are never read:
+        # masked loads return 0 and scores are replaced (never multiplied) by -inf. So the
+        # same query gives the same bits alone in decode, or among its whole sequence in
+        # training, or next to any other requests.
+        tile = tl.program_id(0)
+        hq = tl.program_id(1)
+        hkv = hq // G
+        offs_q = tl.arange(0, BLOCK_Q)
+        idx = tl.load(tiles_ptr + tile * BLOCK_Q + offs_q)
+        row_ok = idx >= 0
+        idx = tl.where(row_ok, idx, 0).to(tl.int64)
+        pos = tl.load(pos_ptr + idx, mask=row_ok, other=0)
+        pos = tl.where(row_ok, pos, 0)
+        seq = tl.load(tile_seq_ptr + tile).to(tl.int64)
+        max_pos = tl.max(pos, axis=0)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        q = tl.load(
+            q_ptr + idx[:, None] * stride_qn + hq * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        m = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
+        kv_base = seq * stride_kr + hkv * stride_kh
+        offs_kv = tl.arange(0, KV_BLOCK)
+        num_blocks = max_pos // KV_BLOCK + 1
+        for j in range(0, num_blocks):
+            kpos = j * KV_BLOCK + offs_kv
+            k_ok = kpos <= max_pos
+            kv_off = kv_base + kpos.to(tl.int64)[:, None] * stride_kl + offs_d[None, :]
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            kb = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(kb), input_precision=PRECISION) * scale
+            valid = kpos[None, :] <= pos[:, None]
+            scores = tl.where(valid, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            correction = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l = l * correction + tl.sum(p, axis=1)
+            vb = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+            acc = acc * correction[:, None] + tl.dot(
+                p.to(vb.dtype), vb, input_precision=PRECISION
+            )
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(
+            o_ptr + idx[:, None] * stride_qn + hq * stride_qh + offs_d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers (forward only, no autograd)
+# --------------------------------------------------------------------------------------------
+
+
+def linear_forward(rows: torch.Tensor, weight: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
+    """rows [M, K] @ weight[N, K].T -> [M, N] in rows.dtype, through `_linear_kernel`."""
+    _require_triton()
+    m, k = rows.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"linear: x has K={k}, weight has shape {tuple(weight.shape)}")
+    if weight.dtype != rows.dtype:
+        raise TypeError(f"linear: x is {rows.dtype}, weight is {weight.dtype}")
+    cfg = config or linear_config(n, k, rows.dtype)
+    rows = rows.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _linear_kernel[grid](
+        rows, weight, out, m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        PRECISION=cfg.input_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _norm_warps(block: int) -> int:
+    return 1 if block <= 256 else 4 if block <= 2048 else 8
+
+
+def rms_normalize_forward(x2d: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype) per row, and the fp32 rsqrt per row."""
+    _require_triton()
+    rows, h = x2d.shape
+    x2d = x2d.contiguous()
+    y = torch.empty_like(x2d)
+    inv = torch.empty(rows, dtype=torch.float32, device=x2d.device)
+    if rows:
+        block = _next_pow2(h)
+        _rms_normalize_kernel[(rows,)](x2d, y, inv, h, eps, BLOCK_H=block, num_warps=_norm_warps(block))
+    return y, inv
+
+
+def row_sum_forward(x: torch.Tensor) -> torch.Tensor:
+    _require_triton()
+    n = x.shape[-1]
+    rows = x.reshape(-1, n).contiguous()
+    out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = _next_pow2(n)
+        _row_sum_kernel[(rows.shape[0],)](rows, out, n, BLOCK=block, num_warps=_norm_warps(block))
+    return out.view(x.shape[:-1])
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+    scale: float, config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    _require_triton()
+    check_attention_shapes(q, k, v, q_seq, q_pos)
+    nq, hq, d = q.shape
+    _, length, hkv, _ = k.shape
+    cfg = config or attention_config(d, q.dtype)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if nq == 0:
+        return out
+    q = q.contiguous()
+    k = k.to(q.dtype).contiguous()
+    v = v.to(q.dtype).contiguous()
+    tiles, tile_seq = attention_tile_plan(q_seq, cfg.block_q)
+    dev = q.device
+    tiles = tiles.to(dev, non_blocking=True)
+    tile_seq = tile_seq.to(dev, non_blocking=True)
+    pos = q_pos.to(device=dev, dtype=torch.int32)
+    grid = (tiles.shape[0], hq)
+    _attention_kernel[grid](
+        q, k, v, out, pos, tiles, tile_seq,
+        tiles.shape[0], length, hq // hkv, float(scale),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        D=d, BLOCK_D=max(16, _next_pow2(d)), BLOCK_Q=cfg.block_q, KV_BLOCK=KV_BLOCK,
+        PRECISION=cfg.input_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The ops parity.kernels dispatches to (differentiable)
+# --------------------------------------------------------------------------------------------
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, weight):
+        ctx.save_for_backward(rows, weight)
+        return linear_forward(rows, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight = ctx.saved_tensors
+        grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
+        return grad_rows, grad_weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias): the parity GEMM on CUDA (see `_linear_kernel`)."""
+    k = x.shape[-1]
+    out = _Linear.apply(x.reshape(-1, k), weight)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class _RMSNormalize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, eps):
+        y, inv = rms_normalize_forward(x2d, eps)
+        ctx.save_for_backward(x2d, inv)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2d, inv = ctx.saved_tensors
+        h, g, inv = x2d.float(), grad.float(), inv.unsqueeze(-1)
+        dh = inv * (g - h * inv * inv * (g * h).mean(-1, keepdim=True))
+        return dh.to(x2d.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF-style RMSNorm: normalise in fp32 (Triton, one program per row), cast back, then scale
+    by the weight with torch's own element-wise multiply (same promotion as the CPU path)."""
+    h = x.shape[-1]
+    normed = _RMSNormalize.apply(x.reshape(-1, h), eps).view(x.shape)
+    return weight * normed
+
+
+class _RowSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return row_sum_forward(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unsqueeze(-1).expand(ctx.shape)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    return _RowSum.apply(x)
+
+
+def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """Element-wise `fn` on CUDA.
+
+    Invariant because: torch's CUDA element-wise kernels compute each element with one scalar
+    functor (in fp32 opmath for bf16), whether it sits in a vectorised chunk or in the tail, so
+    an element's bits depend on its value alone; no padding or chunking is needed."""
+    return fn(x)
+
+
+_ROPE_ON_DEVICE: dict = {}
+
+
+def _rope_on(table: tuple[torch.Tensor, torch.Tensor], device: torch.device):
+    cos, sin = table
+    key = (id(cos), id(sin), str(device))
+    hit = _ROPE_ON_DEVICE.get(key)
+    if hit is None or hit[0] is not cos or hit[1] is not sin:
+        hit = (cos, sin, cos.to(device), sin.to(device))
+        _ROPE_ON_DEVICE[key] = hit
+    return hit[2], hit[3]
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Neox-style RoPE on CUDA: the CPU-built fp32 table (same bits for both engines), copied
+    to the device once, indexed by position; element-wise mul/sub/add as separate torch ops
+    (each correctly rounded, no fused multiply-add), as on the CPU."""
+    cos, sin = _rope_on(table, x.device)
+    positions = positions.to(x.device)
+    cos = cos[positions].unsqueeze(1)
+    sin = sin[positions].unsqueeze(1)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Dense differentiable fp32 attention with kernels.attention's semantics, one sequence at a
+    time (memory: one [Hq, n_r, L] score matrix per sequence, not a [Nq, L, Hq, D] gather)."""
+    nq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    dev = q.device
+    q_seq = q_seq.to(dev)
+    q_pos = q_pos.to(dev)
+    keys = torch.arange(k.shape[1], device=dev)
+    outs, order = [], []
+    for r in torch.unique(q_seq).tolist():
+        idx = (q_seq == r).nonzero().squeeze(1)
+        qr = q[idx].float()  # [n, hq, d]
+        kr = k[r].float().repeat_interleave(g, dim=1)  # [L, hq, d]
+        vr = v[r].float().repeat_interleave(g, dim=1)
+        scores = torch.einsum("nhd,lhd->hnl", qr, kr) * scale
+        mask = keys.unsqueeze(0) > q_pos[idx].unsqueeze(1)  # [n, L]
+        probs = scores.masked_fill(mask.unsqueeze(0), -math.inf).softmax(-1)
+        outs.append(torch.einsum("hnl,lhd->nhd", probs, vr))
+        order.append(idx)
+    if not outs:
+        return q.new_zeros(q.shape)
+    out = torch.cat(outs)
+    inverse = torch.empty_like(q_seq)
+    inverse[torch.cat(order)] = torch.arange(nq, device=dev)
+    return out[inverse].to(q.dtype)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_seq, q_pos, scale):
+        ctx.save_for_backward(q, k, v, q_seq, q_pos)
+        ctx.scale = scale
+        return attention_forward(q, k, v, q_seq, q_pos, scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, q_seq, q_pos = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+            out = attention_reference(*inputs, q_seq, q_pos, ctx.scale)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """kernels.attention on CUDA: forward `_attention_kernel`, backward a dense recompute."""
+    return _Attention.apply(q, k, v, q_seq, q_pos, scale)

@@ -1,0 +1,65 @@
+"""The rollout worker: one vLLM engine inside a Ray actor.
+
+The engine runs in the actor's own process (no EngineCore child), so an adapter or a weight
+bucket that arrives through Ray's object store is copied straight into the model's tensors —
+no disk, no second serialisation. Sampling is reseeded for every call from (seed, step,
+worker), so a resumed run samples exactly what the uninterrupted run sampled.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rollout.engine import RolloutEngine
+
+
+def _set_threads() -> None:
+    # Ray sets OMP_NUM_THREADS to the actor's logical CPUs (1); the loop is synchronous, so the
+    # engine may use every core while it samples. Thread count does not change a log-prob.
+    n = os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+
+
+class RolloutWorker:
+    def __init__(
+        self, index: int, model_dir: str, *, dtype: str, parity: bool, seed: int,
+        max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int | None,
+    ) -> None:
+        _set_threads()
+        self.index = index
+        self.engine = RolloutEngine(
+            model_dir, dtype=dtype, parity=parity, seed=seed, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            multiprocess=False,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int
+    ) -> list[dict]:
+        """Sample one completion per prompt; returns token ids and rollout log-probs."""
+        self.engine.reseed(seed)
+        done = self.engine.generate(prompts, max_tokens=max_tokens, temperature=temperature)
+        return [
+            {"prompt_ids": c.prompt_ids, "token_ids": c.token_ids, "rollout_logprobs": c.rollout_logprobs}
+            for c in done
+        ]
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        return self.engine.prompt_logprobs(sequences)
+
+    def sync_adapter(self, tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, str]:
+        self.engine.set_adapter(tensors, scaling)
+        return self.engine.adapter_checksums()
+
+    def sync_weights(self, bucket: dict[str, torch.Tensor]) -> dict[str, str]:
+        """Full-weight sync of one bucket; returns the checksums of the tensors it now holds
+        under the bucket's names."""
+        self.engine.update_weights(bucket)
+        held = self.engine.weight_checksums()
+        return {name: held[name] for name in bucket if name in held}
+
+    def close(self) -> None:
+        self.engine.close()

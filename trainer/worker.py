@@ -1,0 +1,52 @@
+"""The trainer as a Ray actor: a PolicyTrainer (Megatron model + LoRA + optimizer) in its own
+process, with torch.distributed (gloo on the CPU, NCCL on GPUs) and Megatron's parallel state."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from rl.config import Config
+
+
+class TrainerWorker:
+    def __init__(self, cfg: Config) -> None:
+        from trainer.megatron_patches import init_megatron
+        from trainer.policy import PolicyTrainer
+
+        n = os.cpu_count() or 1  # see rollout.worker._set_threads
+        os.environ["OMP_NUM_THREADS"] = str(n)
+        torch.set_num_threads(n)
+        init_megatron(tp_size=cfg.trainer.tensor_parallel_size, seed=cfg.seed)
+        self.cfg = cfg
+        self.policy = PolicyTrainer(
+            cfg.model.path, cfg.model.dtype, parity=cfg.parity, lora=cfg.lora,
+            trainer=cfg.trainer, algorithm=cfg.algorithm, seed=cfg.seed,
+        )
+
+    def rollout_tensors(self) -> dict[str, torch.Tensor]:
+        return self.policy.rollout_tensors()
+
+    def lora_scaling(self) -> float | None:
+        return self.policy.lora_scaling
+
+    def logprobs(self, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
+        return self.policy.logprobs(sequences, starts)
+
+    def train_step(self, batch: dict) -> dict:
+        """The step's stats, and the old-policy log-probs it computed before updating (the
+        driver compares those bit for bit with the rollout log-probs)."""
+        stats = self.policy.train_step(batch)
+        return {"stats": stats, "old_logprobs": self.policy.last_old_logprobs()}
+
+    def save_checkpoint(self, run_dir: str, step: int, extra: dict, keep: int) -> str:
+        from trainer.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(Path(run_dir), step, self.policy, extra, keep=keep))
+
+    def load_checkpoint(self, path: str) -> dict:
+        from trainer.checkpoint import load_checkpoint
+
+        return load_checkpoint(Path(path), self.policy)
