@@ -7,6 +7,7 @@ policy: with log r = train_logprob - rollout_logprob, k1 = E[-log r], k3 = E[r -
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -61,3 +62,10 @@ def compare_logprobs(
         kl_k1=float((-log_ratio).mean()) if n else 0.0,
         kl_k3=float((log_ratio.exp() - 1 - log_ratio).mean()) if n else 0.0,
     )
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's raw bytes in row-major order (any dtype, bf16 included): the
+    trainer and every rollout worker compute it the same way, so equal digests mean equal bits."""
+    raw = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy()).hexdigest()

@@ -48,6 +48,13 @@ def _require_triton() -> None:
         raise RuntimeError("the CUDA parity kernels need triton (it ships with CUDA torch)")
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous, with a 16-byte aligned start. Triton specialises a kernel on its pointers'
+    alignment; a sliced input (x[i:]) must not compile a second variant of a kernel."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -232,9 +239,9 @@ if triton is not None:
         # walk of the CPU kernel. Within a block, scores = q . k over D and p @ v over
         # KV_BLOCK keys are tl.dot reductions whose order is fixed by (BLOCK_Q, KV_BLOCK,
         # BLOCK_D), all set by head_dim and dtype. Rows of a tile never mix (a dot output row
-        # reads only its own q row / p row). A tile walks up to its largest position; for a
-        # row past its own position those blocks are exact no-ops (max unchanged,
-        # correction exp(0) = 1, p = 0, so l and acc get 1x and +0). Keys past the tile's
+        # reads only its own q row / p row). A tile walks up to its largest position; a row
+        # past its own last block keeps its state unchanged (tl.where, not arithmetic), so
+        # it runs exactly blocks 0 .. pos // KV_BLOCK, as on the CPU. Keys past the tile's
         # largest position (a paged cache's unused slots, possibly NaN/inf) are never read:
         # masked loads return 0 and scores are replaced (never multiplied) by -inf. So the
         # same query gives the same bits alone in decode, or among its whole sequence in
@@ -257,7 +264,7 @@ if triton is not None:
             mask=row_ok[:, None] & d_ok[None, :], other=0.0,
         )
         m = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
-        l = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+        denom = tl.zeros((BLOCK_Q,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
         kv_base = seq * stride_kr + hkv * stride_kh
         offs_kv = tl.arange(0, KV_BLOCK)
@@ -274,13 +281,15 @@ if triton is not None:
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             correction = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
-            l = l * correction + tl.sum(p, axis=1)
             vb = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-            acc = acc * correction[:, None] + tl.dot(
-                p.to(vb.dtype), vb, input_precision=PRECISION
-            )
-            m = m_new
-        out = acc / l[:, None]
+            pv = tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
+            # A row takes part in blocks 0 .. pos // KV_BLOCK only (the CPU kernel's rule):
+            # past its own position its state is kept as is, whatever its tile-mates need.
+            active = j * KV_BLOCK <= pos
+            denom = tl.where(active, denom * correction + tl.sum(p, axis=1), denom)
+            acc = tl.where(active[:, None], acc * correction[:, None] + pv, acc)
+            m = tl.where(active, m_new, m)
+        out = acc / denom[:, None]
         tl.store(
             o_ptr + idx[:, None] * stride_qn + hq * stride_qh + offs_d[None, :],
             out.to(o_ptr.dtype.element_ty),
@@ -303,8 +312,8 @@ def linear_forward(rows: torch.Tensor, weight: torch.Tensor, config: LinearConfi
     if weight.dtype != rows.dtype:
         raise TypeError(f"linear: x is {rows.dtype}, weight is {weight.dtype}")
     cfg = config or linear_config(n, k, rows.dtype)
-    rows = rows.contiguous()
-    weight = weight.contiguous()
+    rows = _aligned(rows)
+    weight = _aligned(weight)
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     if m == 0 or n == 0:
         return out
@@ -327,7 +336,7 @@ def rms_normalize_forward(x2d: torch.Tensor, eps: float) -> tuple[torch.Tensor, 
     """(x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype) per row, and the fp32 rsqrt per row."""
     _require_triton()
     rows, h = x2d.shape
-    x2d = x2d.contiguous()
+    x2d = _aligned(x2d)
     y = torch.empty_like(x2d)
     inv = torch.empty(rows, dtype=torch.float32, device=x2d.device)
     if rows:
@@ -339,7 +348,7 @@ def rms_normalize_forward(x2d: torch.Tensor, eps: float) -> tuple[torch.Tensor, 
 def row_sum_forward(x: torch.Tensor) -> torch.Tensor:
     _require_triton()
     n = x.shape[-1]
-    rows = x.reshape(-1, n).contiguous()
+    rows = _aligned(x.reshape(-1, n))
     out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         block = _next_pow2(n)
@@ -359,9 +368,9 @@ def attention_forward(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if nq == 0:
         return out
-    q = q.contiguous()
-    k = k.to(q.dtype).contiguous()
-    v = v.to(q.dtype).contiguous()
+    q = _aligned(q)
+    k = _aligned(k.to(q.dtype))
+    v = _aligned(v.to(q.dtype))
     tiles, tile_seq = attention_tile_plan(q_seq, cfg.block_q)
     dev = q.device
     tiles = tiles.to(dev, non_blocking=True)
@@ -416,9 +425,15 @@ class _RMSNormalize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x2d, inv = ctx.saved_tensors
-        h, g, inv = x2d.float(), grad.float(), inv.unsqueeze(-1)
-        dh = inv * (g - h * inv * inv * (g * h).mean(-1, keepdim=True))
-        return dh.to(x2d.dtype), None
+        return rms_normalize_backward(x2d, inv, grad), None
+
+
+def rms_normalize_backward(x2d: torch.Tensor, inv: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """d/dx of n = x * inv(x), inv = (mean(x^2) + eps)^-1/2: inv * (g - x * inv^2 * mean(g x))."""
+    wide = torch.promote_types(x2d.dtype, torch.float32)
+    h, g, inv = x2d.to(wide), grad.to(wide), inv.to(wide).unsqueeze(-1)
+    dh = inv * (g - h * inv * inv * (g * h).mean(-1, keepdim=True))
+    return dh.to(x2d.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

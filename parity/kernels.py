@@ -43,6 +43,13 @@ KV_BLOCK = 64
 _TORCH_GRAIN = 32768
 
 
+def _cuda():
+    """parity.cuda, imported on first use by a CUDA tensor (CPU runs never import Triton)."""
+    from parity import cuda
+
+    return cuda
+
+
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     """Apply an element-wise `fn` so that every element takes the vectorised path.
 
@@ -50,6 +57,8 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     (the input is zero-padded to a whole number of chunks), which torch runs on one thread with
     its vector loop only; an element's bits then depend on its value alone, not its position.
     """
+    if x.is_cuda:
+        return _cuda().pointwise(fn, x)
     flat = x.reshape(-1)
     n = flat.numel()
     padded = -(-n // POINTWISE_CHUNK) * POINTWISE_CHUNK
@@ -67,6 +76,8 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
     reduction, whose order depends only on the row length; rows are split across threads but a
     row is never split (that only happens for a single output above the grain size).
     """
+    if x.is_cuda:
+        return _cuda().row_sum(x)
     assert x.shape[-1] < _TORCH_GRAIN, "row_sum rows must stay below torch's grain size"
     return x.contiguous().sum(-1)
 
@@ -79,6 +90,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     within a tile a row's result does not depend on its position or its neighbours (checked in
     tests/test_kernels.py).
     """
+    if x.is_cuda:
+        return _cuda().linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
@@ -104,6 +117,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Invariant because: the mean of squares is a row_sum over the hidden dim; the rest is
     element-wise with correctly rounded ops.
     """
+    if x.is_cuda:
+        return _cuda().rms_norm(x, weight, eps)
     dtype = x.dtype
     h = x.float()
     variance = row_sum(h * h) / h.shape[-1]
@@ -139,6 +154,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: tuple[torch.Tens
 
     Element-wise with exactly rounded mul/add only: out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin.
     """
+    if x.is_cuda:
+        return _cuda().apply_rope(x, positions, table)
     cos, sin = table
     cos = cos[positions].unsqueeze(1)
     sin = sin[positions].unsqueeze(1)
@@ -247,6 +264,8 @@ def attention(
     (one query per sequence, keys read from the paged cache) and training (all positions of a
     sequence at once) therefore give the same bits.
     """
+    if q.is_cuda:
+        return _cuda().attention(q, k, v, q_seq, q_pos, scale)
     return _Attention.apply(q, k, v, q_seq, q_pos, scale)
 
 

@@ -232,11 +232,9 @@ def builtin_samples(size: int, seed: int) -> list[Sample]:
     tokenizer splits digits individually, so every answer is one token. Deterministic in
     (size, seed).
 
-    Measured (tiny llama, GRPO G=8, 8 prompts/step, 8 tokens, T=1, one Adam step per batch):
-    full fine-tuning at lr 1e-3..3e-3 takes the mean reward from ~0.05 to ~0.2-0.4 in 20 steps.
-    LoRA alone barely moves it: with tied embeddings (std 0.02) and a frozen final norm, the
-    logits of the random-init tiny model are bounded by about |h| |e| = sqrt(128) * 0.23 = 2.6,
-    so no adapter can make any token much likelier than ~2.5%."""
+    Measured (tiny llama preset, GRPO G=4, 8 prompts/step, 8 tokens, T=1, LoRA r=16 on all
+    targets, lr 1e-2): the mean reward goes from ~0.01 to ~0.3-0.45 in 20 steps. The tiny
+    preset's init scale matters: see rl.models.PRESETS."""
     rng = random.Random(seed)
     samples = []
     for i in range(size):

@@ -132,6 +132,27 @@ class Run:
         ]
         return [c for part in ray.get(futures) for c in part]
 
+    def policy_tensors(self) -> tuple[str, dict[str, torch.Tensor], float]:
+        """(kind, tensors, scaling) of what the workers must hold now. Parity on: the adapter
+        itself, for the parity model. Parity off: stock vLLM gets full weights with the adapter
+        merged in, the way other frameworks hand a LoRA policy to vLLM."""
+        import ray
+
+        cfg = self.cfg
+        scaling = ray.get(self.trainer.lora_scaling.remote()) or 1.0
+        if cfg.lora.enabled and cfg.parity:
+            return "adapter", ray.get(self.trainer.rollout_tensors.remote()), scaling
+        source = self.trainer.rollout_tensors if cfg.parity else self.trainer.merged_weights
+        return "full", ray.get(source.remote()), scaling
+
+    def resync_worker(self, index: int) -> None:
+        import ray
+
+        kind, tensors, scaling = self.policy_tensors()
+        worker = self.workers[index]
+        call = worker.sync_adapter.remote(tensors, scaling) if kind == "adapter" else worker.sync_weights.remote(tensors)
+        ray.get(call)
+
     def restart_worker(self, index: int) -> None:
         import ray
 
@@ -171,7 +192,12 @@ def make_sync(run: Run, cfg: Config, probe: list[list[int]]):
             score_trainer=lambda seqs: ray.get(run.trainer.logprobs.remote(list(seqs), starts)),
         )
 
-    hooks = build_hooks(cfg.sync.hooks, parity_probe=parity_probe)
+    names = list(cfg.sync.hooks)
+    if not cfg.parity:
+        # Stock vLLM repacks weights for its kernels, and its log-probs differ from the
+        # trainer's by design: there is nothing bitwise to verify.
+        names = [n for n in names if n not in ("checksum", "parity_probe")]
+    hooks = build_hooks(names, parity_probe=parity_probe)
     return WeightSync(hooks, len(run.workers), push_adapter, push_full, cfg.sync.bucket_mb)
 
 
@@ -195,6 +221,9 @@ def train(cfg: Config, console=None) -> Path:
         run_dir = Path(resumed["path"]).parent.parent  # <run_dir>/checkpoints/step_N
     else:
         resumed = None
+        if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+            raise UserError(f"run_dir: {run_dir} already holds a run; continue it with "
+                            f"--resume {run_dir}, or choose another run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
     for issue in pre.data_issues:
@@ -219,11 +248,9 @@ def train(cfg: Config, console=None) -> Path:
         probe = [format_prompt(s, pre.tokenizer, cfg.data.chat_template)
                  for s in pre.samples[: cfg.sync.parity_probe_prompts]]
         weight_sync = make_sync(run, cfg, probe)
-        kind = "adapter" if cfg.lora.enabled else "full"
-        scaling = ray.get(run.trainer.lora_scaling.remote())
 
         def sync(step: int) -> dict[str, float]:
-            tensors = ray.get(run.trainer.rollout_tensors.remote())
+            kind, tensors, scaling = run.policy_tensors()
             return weight_sync.sync(step, tensors, kind=kind, scaling=scaling)
 
         sync(start_step)
@@ -341,14 +368,7 @@ def generate_with_restart(run: Run, prompts: list[list[int]], step: int, console
         for i in dead:
             console.print(f"[red]rollout worker {i} died[/] ({type(e).__name__}); restarting it")
             run.restart_worker(i)
-        tensors = ray.get(run.trainer.rollout_tensors.remote())
-        scaling = ray.get(run.trainer.lora_scaling.remote())
-        for i in dead:
-            w = run.workers[i]
-            if run.cfg.lora.enabled:
-                ray.get(w.sync_adapter.remote(tensors, scaling))
-            else:
-                ray.get(w.sync_weights.remote(tensors))
+            run.resync_worker(i)
         try:
             return run.generate(prompts, step)
         except ray.exceptions.RayActorError as e2:

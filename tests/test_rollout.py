@@ -168,6 +168,19 @@ def test_math_agrees_with_hf_transformers(case):
     assert (ours - hf).abs().max().item() < 1e-4
 
 
+def test_reseed_repeats_samples(case):
+    """reseed(s) restarts sampling: the same seed samples the same tokens, another seed others."""
+    engine, prompts = case["engine"], case["prompts"][:3]
+
+    def sample(seed: int) -> list[list[int]]:
+        engine.reseed(seed)
+        return [c.token_ids for c in engine.generate(prompts, max_tokens=MAX_TOKENS, ignore_eos=True)]
+
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first
+
+
 def test_stock_engine_generates(model_factory):
     """(d) parity=False runs stock vLLM on the same weights and returns finite log-probs, close
     to (not bitwise equal to) the parity math. It refuses adapters (a parity-model feature) and

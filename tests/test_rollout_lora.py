@@ -94,6 +94,8 @@ def case(request, model_factory, megatron):
         )
     finally:
         engine.close()
+    # The session's Megatron state lives on: an in-process engine joined its process group.
+    assert torch.distributed.is_initialized()
 
 
 def push_adapter(case) -> dict[str, torch.Tensor]:

@@ -12,9 +12,11 @@ from trainer.megatron_patches import cpu_current_device
 def forward_logits(model: GPTModel, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits [B, S, V] for right-padded input_ids [B, S]."""
     b, s = input_ids.shape
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    device = next(model.parameters()).device  # cpu, or cuda when load_model put it there
+    input_ids = input_ids.to(device)
+    position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
     # Stock Megatron builds its causal mask on "cuda" when given None; pass one (True = masked).
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=device), diagonal=1)
     with cpu_current_device():
         return model(input_ids, position_ids, mask)
 
@@ -37,7 +39,8 @@ def sequence_logprobs(
         for row, r in enumerate(rows):
             ids[row, : len(sequences[r])] = torch.tensor(sequences[r])
         logits = forward_logits(model, ids)
+        ids = ids.to(logits.device)
         logp = kernels.token_logprobs(logits[:, :-1], ids[:, 1:])  # position j scores token j+1
         for row, r in enumerate(rows):
-            out[r] = logp[row, starts[r] - 1 : len(sequences[r]) - 1].float()
+            out[r] = logp[row, starts[r] - 1 : len(sequences[r]) - 1].float().cpu()
     return out  # type: ignore[return-value]

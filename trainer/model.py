@@ -152,5 +152,7 @@ def load_model(model_dir: str | Path, dtype: str = "fp32", parity: bool = True) 
     """Megatron GPTModel with the checkpoint's weights (call trainer.megatron_patches.init_megatron first)."""
     spec = ModelSpec.from_dir(model_dir)
     model = build_gpt(spec, DTYPES[dtype], parity)
+    if torch.cuda.is_available():  # the parity kernels dispatch on the tensors' device
+        model = model.cuda()
     load_hf_weights(model, model_dir, spec)
     return model

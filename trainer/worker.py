@@ -29,6 +29,28 @@ class TrainerWorker:
     def rollout_tensors(self) -> dict[str, torch.Tensor]:
         return self.policy.rollout_tensors()
 
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """Full HF weights with the adapter merged in (W + scaling * B @ A, in fp32, then cast):
+        what a stock vLLM engine gets when parity is off — the usual way frameworks hand a
+        LoRA policy to vLLM, and one of the sources of the mismatch parity removes."""
+        from trainer.convert import megatron_to_hf
+
+        model = self.policy.model
+        dtype = model.embedding.word_embeddings.weight.dtype
+        base = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and "lora" not in k
+                and not k.endswith("_extra_state")}
+        weights = megatron_to_hf(base, self.policy.spec)
+        adapter = self.policy.rollout_tensors() if self.cfg.lora.enabled else {}
+        scaling = self.policy.lora_scaling or 0.0
+        for key, a in adapter.items():
+            if ".lora_A." not in key:
+                continue
+            b = adapter[key.replace(".lora_A.", ".lora_B.")]
+            name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            merged = weights[name].float() + scaling * (b.float() @ a.float())
+            weights[name] = merged.to(dtype)
+        return {k: v.detach().to(dtype).contiguous() for k, v in weights.items()}
+
     def lora_scaling(self) -> float | None:
         return self.policy.lora_scaling
 

@@ -1,0 +1,232 @@
+"""Measure the CUDA parity kernels on a GPU, in one run: the card's ceilings, whether stock
+cuBLAS / torch reductions are row invariant, the parity GEMM and attention against cuBLAS and
+torch's SDPA, and the Megatron trainer on CUDA with the parity kernels.
+
+    python scripts/bench_gpu.py [--out bench_results/bench_gpu.json] [--skip-trainer]
+
+Prints one line per measurement and writes all numbers as JSON (see docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from parity import cuda, kernels  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def log(section: str, key: str, value) -> None:
+    RESULTS.setdefault(section, {})[key] = value
+    print(f"[{section}] {key}: {value}", flush=True)
+
+
+def bench(fn) -> float:
+    """Median milliseconds (CUDA events, after warm-up)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def randn(*shape, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def environment() -> None:
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    log("env", "device", f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")
+    log("env", "torch", torch.__version__)
+    log("env", "triton", triton.__version__)
+    log("env", "cuda", torch.version.cuda)
+
+
+def ceilings() -> None:
+    x = torch.empty(2**30, dtype=torch.float32, device="cuda").normal_()  # 4 GiB
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x))
+    log("ceiling", "d2d_copy_TB/s", round(2 * x.numel() * 4 / ms / 1e9, 2))
+    del x, y
+    a, b = randn(8192, 8192), randn(8192, 8192, seed=1)
+    ms = bench(lambda: a @ b)
+    log("ceiling", "cublas_bf16_8192^3_TFLOP/s", round(2 * 8192**3 / ms / 1e9, 1))
+
+
+def stock_invariance() -> None:
+    """Which stock ops give a row the same bits alone and in a batch (why the kernels exist)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).split(".")[-1]
+        w = randn(4096, 4096, dtype=dtype, seed=1)
+        x = randn(8192, 4096, dtype=dtype, seed=2)
+        alone = F.linear(x[:1], w)[0]
+        differs = [m for m in (2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192)
+                   if not torch.equal(F.linear(x[:m], w)[0], alone)]
+        log("stock", f"cublas_{name}_row0_differs_from_alone_at_M", differs)
+        ours = kernels.linear(x[:1], w)[0]
+        log("stock", f"parity_{name}_row0_differs_at_M",
+            [m for m in (2, 3, 16, 128, 1024, 8192) if not torch.equal(kernels.linear(x[:m], w)[0], ours)])
+        h = randn(8192, 4096, dtype=dtype, seed=3)
+        s1 = h[:1].sum(-1)
+        log("stock", f"torch_sum_{name}_row0_differs_at_rows",
+            [m for m in (2, 16, 128, 1024, 8192) if not torch.equal(h[:m].sum(-1)[:1], s1)])
+    for vocab in (512, 49152, 151936):
+        lg = randn(4096, vocab, dtype=torch.bfloat16, seed=4)
+        one = lg[:1].log_softmax(-1, dtype=torch.float32)
+        log("stock", f"torch_log_softmax_V{vocab}_row0_differs_at_rows",
+            [m for m in (2, 7, 64, 512, 4096) if not torch.equal(lg[:m].log_softmax(-1, dtype=torch.float32)[:1], one)])
+
+
+LINEAR_VARIANTS = {
+    "128x128x64_w8_s3 (default)": None,
+    "64x64x64_w4_s4": cuda.LinearConfig(64, 64, 64, 4, 4, "tf32"),
+    "128x256x64_w8_s3": cuda.LinearConfig(128, 256, 64, 8, 3, "tf32"),
+    "64x128x64_w4_s4": cuda.LinearConfig(64, 128, 64, 4, 4, "tf32"),
+}
+
+
+def linear_speed() -> None:
+    for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)):
+        w = randn(n, k, seed=1)
+        for m in (1, 16, 128, 1024, 4096, 16384):
+            x = randn(m, k, seed=2)
+            flops = 2 * m * n * k
+            t_cublas = bench(lambda x=x, w=w: F.linear(x, w))
+            row = {"cublas_ms": round(t_cublas, 4), "cublas_TFLOP/s": round(flops / t_cublas / 1e9, 1)}
+            for name, cfg in LINEAR_VARIANTS.items():
+                t = bench(lambda x=x, w=w, cfg=cfg: cuda.linear_forward(x, w, cfg))
+                row[name] = {"ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1),
+                             "vs_cublas": round(t / t_cublas, 2)}
+            ref = x.double() @ w.double().t()
+            rel = ((cuda.linear_forward(x, w).double() - ref).norm() / ref.norm()).item()
+            row["rel_err_vs_fp64"] = f"{rel:.2e}"
+            log("linear_bf16", f"M={m} N={n} K={k}", row)
+    w, x = randn(4096, 4096, dtype=torch.float32, seed=1), randn(4096, 4096, dtype=torch.float32)
+    t_c = bench(lambda: F.linear(x, w))
+    t_p = bench(lambda: cuda.linear_forward(x, w))
+    log("linear_fp32", "M=N=K=4096", {"cublas_ms": round(t_c, 3), "parity_ms": round(t_p, 3),
+                                       "parity_TFLOP/s": round(2 * 4096**3 / t_p / 1e9, 1)})
+
+
+def attention_speed() -> None:
+    hq, hkv, d = 32, 8, 128
+    variants = {f"block_q={b}": cuda.AttentionConfig(b, 4 if b <= 64 else 8, 2, "tf32") for b in (16, 32, 64, 128)}
+    for b, t in ((4, 2048), (1, 8192)):
+        q, k, v = randn(b * t, hq, d), randn(b, t, hkv, d, seed=1), randn(b, t, hkv, d, seed=2)
+        seq, pos = torch.arange(b).repeat_interleave(t), torch.arange(t).repeat(b)
+        scale = kernels.attention_scale(d)
+        qs = q.view(b, t, hq, d).transpose(1, 2)
+        ks, vs = k.transpose(1, 2), v.transpose(1, 2)
+        t_sdpa = bench(lambda qs=qs, ks=ks, vs=vs: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
+        flops = 4 * b * hq * d * t * t / 2
+        row = {"sdpa_causal_ms": round(t_sdpa, 3), "sdpa_TFLOP/s": round(flops / t_sdpa / 1e9, 1)}
+        for name, cfg in variants.items():
+            ms = bench(lambda q=q, k=k, v=v, seq=seq, pos=pos, cfg=cfg: cuda.attention_forward(q, k, v, seq, pos, scale, cfg))
+            row[name] = {"ms": round(ms, 3), "TFLOP/s": round(flops / ms / 1e9, 1), "vs_sdpa": round(ms / t_sdpa, 2)}
+        ms = bench(lambda q=q, seq=seq: cuda.attention_tile_plan(seq, 64))
+        row["tile_plan_cpu_ms"] = round(ms, 3)
+        out = cuda.attention_forward(q, k, v, seq, pos, scale)
+        ref = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float(), is_causal=True, enable_gqa=True)
+        row["max_abs_err_vs_fp32_sdpa"] = f"{(out.float().view(b, t, hq, d).transpose(1, 2) - ref).abs().max().item():.2e}"
+        log("attention_train_bf16", f"B={b} T={t} Hq={hq} Hkv={hkv} D={d}", row)
+    for r, length in ((64, 2048), (8, 8192)):
+        k, v = randn(r, length, hkv, d, seed=1), randn(r, length, hkv, d, seed=2)
+        q = randn(r, hq, d)
+        seq, pos = torch.arange(r), torch.full((r,), length - 1)
+        scale = kernels.attention_scale(d)
+        t_sdpa = bench(lambda: F.scaled_dot_product_attention(q.view(r, hq, 1, d), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True))
+        t_ours = bench(lambda: cuda.attention_forward(q, k, v, seq, pos, scale))
+        gb = 2 * k.numel() * 2 / 1e9
+        log("attention_decode_bf16", f"R={r} L={length}", {
+            "sdpa_ms": round(t_sdpa, 4), "parity_ms": round(t_ours, 4),
+            "parity_GB/s": round(gb / t_ours * 1e3, 1), "vs_sdpa": round(t_ours / t_sdpa, 2)})
+
+
+def norm_speed() -> None:
+    x, w = randn(16384, 4096), randn(4096, seed=1)
+    t_ours = bench(lambda: kernels.rms_norm(x, w, 1e-6))
+
+    def stock():
+        h = x.float()
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    log("rms_norm_bf16", "16384x4096", {"parity_ms": round(t_ours, 4), "torch_ms": round(bench(stock), 4)})
+
+
+def trainer() -> None:
+    """The Megatron trainer on CUDA: parity model on the GPU, batch/prefix invariance, training."""
+    import tempfile
+
+    from rl.models import init_model
+    from trainer.logprobs import sequence_logprobs
+    from trainer.megatron_patches import init_megatron
+    from trainer.model import load_model
+
+    init_megatron()
+    tmp = Path(tempfile.mkdtemp())
+    for arch, dtype, preset in (("llama", "fp32", "tiny"), ("qwen3", "bf16", "tiny"), ("qwen3", "bf16", "small")):
+        path = init_model(arch=arch, preset=preset, seed=0, out_dir=tmp / f"{arch}-{preset}-{dtype}", dtype=dtype)
+        model = load_model(path, dtype, parity=True).eval()
+        devices = sorted({str(p.device) for p in model.parameters()})
+        g = torch.Generator().manual_seed(2)
+        seqs = [torch.randint(0, 400, (n,), generator=g).tolist() for n in (70, 9, 33, 2, 300, 129, 64, 65)]
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            alone = [sequence_logprobs(model, [s], [1])[0] for s in seqs]
+            t_alone = time.perf_counter() - t0
+            batched = sequence_logprobs(model, seqs, [1] * len(seqs), batch_size=8)
+            batched3 = sequence_logprobs(model, seqs, [1] * len(seqs), batch_size=3)
+            prefix = sequence_logprobs(model, [seqs[4][:200]], [1])[0]
+        same = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(alone, batched, batched3, strict=True))
+        model.train()
+        ids = torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(3)).tolist()
+        logp = sequence_logprobs(model, ids, [1, 1])
+        torch.stack(logp).mean().backward()
+        finite = all(p.grad is not None and torch.isfinite(p.grad).all().item() for p in model.parameters())
+        log("trainer_cuda", f"{arch}-{preset}-{dtype}", {
+            "param_devices": devices, "alone==batch8==batch3": same,
+            "prefix==whole": torch.equal(prefix, alone[4][:199]),
+            "grads_finite": finite, "score_8_seqs_alone_s": round(t_alone, 3),
+            "mean_logprob": round(torch.cat(alone).mean().item(), 4)})
+        del model
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "bench_results" / "bench_gpu.json"))
+    ap.add_argument("--skip-trainer", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated sections")
+    args = ap.parse_args()
+    sections = [environment, ceilings, stock_invariance, linear_speed, attention_speed, norm_speed]
+    if not args.skip_trainer:
+        sections.append(trainer)
+    only = set(filter(None, args.only.split(",")))
+    for fn in sections:
+        if only and fn.__name__ not in only:
+            continue
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # keep going: one failing section must not cost the others
+            log(fn.__name__, "error", f"{type(e).__name__}: {e}")
+        log("seconds", fn.__name__, round(time.perf_counter() - t, 1))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(RESULTS, indent=1))
+    print("wrote", args.out, "pid", os.getpid())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""The CUDA parity kernels (parity/cuda.py).
+
+CPU part (always runs): launch plans, shape checks, the dispatch in parity.kernels, the dense
+reference and backward math, and the Triton kernels' indexing and masking through Triton's
+interpreter (TRITON_INTERPRET=1, in a subprocess, fp32 / fp16: the interpreter has no bf16).
+
+GPU part (skipped without CUDA): the same invariance properties as tests/test_kernels.py on the
+device, bitwise (torch.equal): a row alone vs. in a batch, decode vs. whole sequence.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parity import cuda, kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def _randn(seed: int, *shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+
+
+# --- CPU: plans and checks --------------------------------------------------------------------
+
+
+def test_kv_block_matches_cpu_kernel():
+    assert cuda.KV_BLOCK == kernels.KV_BLOCK
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_config_depends_on_the_weight_only(dtype):
+    assert list(inspect.signature(cuda.linear_config).parameters) == ["n", "k", "dtype"]
+    assert "split" not in " ".join(f.name for f in cuda.LinearConfig.__dataclass_fields__.values())
+    cfg = cuda.linear_config(4096, 4096, dtype)
+    for b in (cfg.block_m, cfg.block_n, cfg.block_k):
+        assert b >= 16 and b & (b - 1) == 0  # tl.dot needs power-of-two blocks of >= 16
+    assert (cfg.input_precision == "ieee") == (dtype == torch.float32)  # fp32 never goes tf32
+    assert cuda.linear_config(4096, 4096, dtype) == cfg
+
+
+def test_linear_config_rejects_other_dtypes():
+    with pytest.raises(TypeError):
+        cuda.linear_config(8, 8, torch.float64)
+
+
+def test_attention_config_depends_on_the_model_only():
+    assert list(inspect.signature(cuda.attention_config).parameters) == ["head_dim", "dtype"]
+    assert cuda.attention_config(64, torch.float32).input_precision == "ieee"
+
+
+@settings(max_examples=50, deadline=None)
+@given(seqs=st.lists(st.integers(0, 5), min_size=0, max_size=200), block=st.sampled_from([1, 4, 16, 64]))
+def test_attention_tile_plan(seqs, block):
+    q_seq = torch.tensor(seqs, dtype=torch.long)
+    tiles, tile_seq = cuda.attention_tile_plan(q_seq, block)
+    assert tiles.dtype == tile_seq.dtype == torch.int32
+    assert tiles.shape == (tile_seq.shape[0], block)
+    used = tiles[tiles >= 0]
+    assert sorted(used.tolist()) == list(range(len(seqs)))  # every query exactly once
+    for t in range(tiles.shape[0]):
+        row = tiles[t][tiles[t] >= 0]
+        assert row.numel() > 0
+        assert (tiles[t][row.numel():] == -1).all()  # padding only at the end
+        assert (q_seq[row.long()] == int(tile_seq[t])).all()  # one sequence per tile
+        assert row.tolist() == sorted(row.tolist())  # order kept within a sequence
+    # the fewest tiles: ceil(count / block) per sequence
+    counts = torch.bincount(q_seq, minlength=6) if seqs else torch.zeros(6, dtype=torch.long)
+    assert tiles.shape[0] == int((-(-counts // block)).sum())
+
+
+def test_check_attention_shapes():
+    q, k = torch.zeros(3, 4, 16), torch.zeros(2, 10, 2, 16)
+    seq, pos = torch.tensor([0, 1, 1]), torch.tensor([0, 9, 3])
+    cuda.check_attention_shapes(q, k, k, seq, pos)
+    bad = [
+        (torch.zeros(3, 4, 32), k, k, seq, pos),  # head_dim mismatch
+        (torch.zeros(3, 3, 16), k, k, seq, pos),  # heads not a multiple
+        (q, k, torch.zeros(2, 9, 2, 16), seq, pos),  # k / v shapes
+        (q, k, k, seq[:2], pos),  # q_seq length
+        (q, k, k, torch.tensor([0, 2, 1]), pos),  # sequence out of range
+        (q, k, k, seq, torch.tensor([0, 10, 3])),  # position past the context
+        (torch.zeros(3, 4, 8), torch.zeros(2, 10, 2, 8), torch.zeros(2, 10, 2, 8), seq, pos),
+    ]
+    for args in bad:
+        with pytest.raises(ValueError):
+            cuda.check_attention_shapes(*args)
+
+
+def test_attention_reference_matches_cpu_reference():
+    q = _randn(0, 50, 4, 16).requires_grad_()
+    k = _randn(1, 3, 40, 2, 16).requires_grad_()
+    v = _randn(2, 3, 40, 2, 16).requires_grad_()
+    seq = torch.randint(0, 3, (50,), generator=torch.Generator().manual_seed(3))
+    pos = torch.randint(0, 40, (50,), generator=torch.Generator().manual_seed(4))
+    ours = cuda.attention_reference(q, k, v, seq, pos, 0.25)
+    ref = kernels._attention_reference(q, k, v, seq, pos, 0.25)
+    assert (ours - ref).abs().max() < 1e-5
+    g = _randn(5, 50, 4, 16)
+    ga = torch.autograd.grad(ours, (q, k, v), g)
+    gb = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(ga, gb, strict=True):
+        assert (a - b).abs().max() < 1e-4
+
+
+def test_rms_normalize_backward_is_the_derivative():
+    x = _randn(0, 7, 48, dtype=torch.float64).requires_grad_()
+    eps = 1e-6
+    inv = torch.rsqrt(x.pow(2).mean(-1) + eps)
+    n = x * inv.unsqueeze(-1)
+    g = _randn(1, 7, 48, dtype=torch.float64)
+    (auto,) = torch.autograd.grad(n, x, g)
+    ours = cuda.rms_normalize_backward(x.detach(), inv.detach(), g)
+    assert (ours - auto).abs().max() < 1e-10
+
+
+# --- CPU: dispatch ----------------------------------------------------------------------------
+
+
+class _FakeCuda(torch.Tensor):
+    """A CPU tensor that answers is_cuda = True, to see which path kernels.* takes."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_cpu_tensors_never_reach_the_cuda_module(monkeypatch):
+    def boom():
+        raise AssertionError("CPU input dispatched to parity.cuda")
+
+    monkeypatch.setattr(kernels, "_cuda", boom)
+    x, w = _randn(0, 5, 32), _randn(1, 8, 32)
+    kernels.linear(x, w)
+    kernels.rms_norm(x, _randn(2, 32), 1e-6)
+    kernels.silu_and_mul(x)
+    kernels.row_sum(x)
+    kernels.apply_rope(x.view(5, 1, 32), torch.arange(5), kernels.rope_table(32, 10000.0, 64))
+    q = _randn(3, 5, 2, 16)
+    kv = _randn(4, 1, 5, 1, 16)
+    kernels.attention(q, kv, kv, torch.zeros(5, dtype=torch.long), torch.arange(5), 0.25)
+
+
+def test_cuda_tensors_dispatch_to_the_cuda_module(monkeypatch):
+    calls = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            def fn(*args, **kwargs):
+                calls.append(name)
+                return "cuda-" + name
+
+            return fn
+
+    monkeypatch.setattr(kernels, "_cuda", lambda: Recorder())
+    x = _randn(0, 5, 32).as_subclass(_FakeCuda)
+    assert x.is_cuda
+    table = kernels.rope_table(32, 10000.0, 64)
+    assert kernels.linear(x, _randn(1, 8, 32)) == "cuda-linear"
+    assert kernels.rms_norm(x, _randn(2, 32), 1e-6) == "cuda-rms_norm"
+    assert kernels.row_sum(x) == "cuda-row_sum"
+    assert kernels.silu(x) == "cuda-pointwise"
+    assert kernels.apply_rope(x, torch.arange(5), table) == "cuda-apply_rope"
+    assert kernels.attention(x, x, x, torch.arange(5), torch.arange(5), 0.1) == "cuda-attention"
+    assert calls == ["linear", "rms_norm", "row_sum", "pointwise", "apply_rope", "attention"]
+
+
+# --- CPU: the Triton kernels under Triton's interpreter -----------------------------------------
+
+_INTERPRETED = textwrap.dedent(
+    """
+    import torch
+    from parity import cuda, kernels
+
+    def randn(seed, *shape, dtype=torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    small = cuda.LinearConfig(16, 16, 16, num_warps=1, num_stages=1, input_precision="ieee")
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
+        cfg = small if dtype == torch.float32 else None
+        x, w = randn(0, 37, 80, dtype=dtype), randn(1, 50, 80, dtype=dtype)
+        y = cuda.linear_forward(x, w, cfg)
+        ref = x.double() @ w.double().t()
+        assert ((y.double() - ref).norm() / ref.norm()) < tol, dtype
+        for i in (0, 5, 36):
+            assert torch.equal(cuda.linear_forward(x[i : i + 1], w, cfg)[0], y[i])
+            assert torch.equal(cuda.linear_forward(x[i:], w, cfg)[0], y[i])
+
+    x = randn(2, 9, 80)
+    n, inv = cuda.rms_normalize_forward(x, 1e-6)
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert (n.double() - ref).abs().max() < 1e-5
+    assert (cuda.row_sum_forward(x).double() - x.double().sum(-1)).abs().max() < 1e-4
+
+    acfg = cuda.AttentionConfig(16, num_warps=1, num_stages=1, input_precision="ieee")
+    for dtype, tol, cfg in ((torch.float32, 1e-5, acfg), (torch.float16, 3e-3, None)):
+        L, hkv, g, d = 150, 2, 2, 32
+        q = randn(3, L, hkv * g, d, dtype=dtype)
+        k, v = randn(4, 1, L, hkv, d, dtype=dtype), randn(5, 1, L, hkv, d, dtype=dtype)
+        seq, pos = torch.zeros(L, dtype=torch.long), torch.arange(L)
+        full = cuda.attention_forward(q, k, v, seq, pos, 0.2, cfg)
+        ref = kernels._attention_reference(q.float(), k.float(), v.float(), seq, pos, 0.2)
+        assert (full.float() - ref).abs().max() < tol, dtype
+        nan = torch.full((1, 70, hkv, d), float("nan"), dtype=dtype)
+        kd, vd = torch.cat([k, nan], 1), torch.cat([v, nan.abs() * float("inf")], 1)
+        for t in (0, 63, 64, 100, L - 1):
+            one = cuda.attention_forward(q[t : t + 1], kd, vd, seq[:1], pos[t : t + 1], 0.2, cfg)
+            assert torch.equal(one[0], full[t]), (dtype, t)
+        kb, vb = torch.cat([randn(6, 2, L + 70, hkv, d, dtype=dtype), kd]), torch.cat([randn(7, 2, L + 70, hkv, d, dtype=dtype), vd])
+        qb = torch.cat([randn(8, 2, hkv * g, d, dtype=dtype), q[L - 1 :]])
+        out = cuda.attention_forward(qb, kb, vb, torch.arange(3), torch.tensor([5, 200, L - 1]), 0.2, cfg)
+        assert torch.equal(out[-1], full[L - 1])
+    print("interpreted kernels ok")
+    """
+)
+
+
+def test_triton_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "interpreted kernels ok" in done.stdout
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+GPU_SETTINGS = settings(max_examples=20, deadline=None)
+
+
+@gpu
+@GPU_SETTINGS
+@given(
+    rows=st.integers(1, 300), k=st.sampled_from([32, 96, 576, 1000]),
+    n=st.sampled_from([32, 192, 1000]), dtype=DTYPES, seed=st.integers(0, 2**16),
+    pick=st.integers(0, 299),
+)
+def test_gpu_linear_row_invariant(rows, k, n, dtype, seed, pick):
+    x = _randn(seed, rows, k, dtype=dtype, device="cuda")
+    w = _randn(seed + 1, n, k, dtype=dtype, device="cuda")
+    i = pick % rows
+    full = kernels.linear(x, w)
+    assert torch.equal(kernels.linear(x[i : i + 1], w)[0], full[i])
+    assert torch.equal(kernels.linear(x[i:], w)[0], full[i])  # another tile position
+    assert torch.equal(kernels.linear(x.view(1, rows, k), w)[0], full)
+    big = torch.cat([_randn(seed + 2, 2000, k, dtype=dtype, device="cuda"), x[i : i + 1]])
+    assert torch.equal(kernels.linear(big, w)[-1], full[i])  # among 2000 other rows
+    ref = x.double() @ w.double().t()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (full.double() - ref).norm() / ref.norm() < tol
+
+
+@gpu
+def test_gpu_linear_bias_and_backward():
+    x = _randn(0, 3, 40, 96, device="cuda").requires_grad_()
+    w = _randn(1, 64, 96, device="cuda").requires_grad_()
+    b = _randn(2, 64, device="cuda").requires_grad_()
+    out = kernels.linear(x, w, b)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    assert (out.double() - ref).abs().max() < 1e-4
+    g = _randn(3, 3, 40, 64, device="cuda")
+    ours = torch.autograd.grad(out, (x, w, b), g)
+    theirs = torch.autograd.grad(ref, (x, w, b), g.double())
+    for a, e in zip(ours, theirs, strict=True):
+        assert (a.double() - e).abs().max() < 1e-3
+
+
+@gpu
+@GPU_SETTINGS
+@given(rows=st.integers(1, 300), h=st.sampled_from([32, 128, 576, 4096]), dtype=DTYPES,
+       seed=st.integers(0, 2**16), pick=st.integers(0, 299))
+def test_gpu_rms_norm_silu_row_sum_row_invariant(rows, h, dtype, seed, pick):
+    x = _randn(seed, rows, h, dtype=dtype, device="cuda")
+    w = _randn(seed + 1, h, dtype=dtype, device="cuda")
+    i = pick % rows
+    full = kernels.rms_norm(x, w, 1e-6)
+    assert torch.equal(kernels.rms_norm(x[i : i + 1], w, 1e-6)[0], full[i])
+    assert torch.equal(kernels.rms_norm(x[i:], w, 1e-6)[0], full[i])
+    assert torch.equal(kernels.silu_and_mul(x[i : i + 1])[0], kernels.silu_and_mul(x)[i])
+    assert torch.equal(kernels.row_sum(x[i : i + 1])[0], kernels.row_sum(x)[i])
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    ref = w.double() * ref.to(dtype).double()
+    assert (full.double() - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 0.1)
+
+
+@gpu
+def test_gpu_rms_norm_gradients():
+    x = _randn(0, 2, 9, 64, device="cuda").requires_grad_()
+    w = _randn(1, 64, device="cuda").requires_grad_()
+    out = kernels.rms_norm(x, w, 1e-6)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = wr * (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6))
+    g = _randn(2, 2, 9, 64, device="cuda")
+    ours = torch.autograd.grad(out, (x, w), g)
+    theirs = torch.autograd.grad(ref, (xr, wr), g.double())
+    for a, e in zip(ours, theirs, strict=True):
+        assert (a.double() - e).abs().max() < 1e-4
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_elementwise_ops_depend_only_on_the_value(dtype):
+    """What lets pointwise() skip the CPU's chunking on CUDA: position-free element bits."""
+    x = (_randn(0, 100_003) * 5).to(dtype=dtype, device="cuda")
+    for fn in (torch.nn.functional.silu, torch.exp, torch.sigmoid):
+        whole = fn(x)
+        tails = torch.cat([fn(x[i : i + 7].clone()) for i in range(1, 7001, 7)])
+        assert torch.equal(tails, whole[1:7001]), fn
+        assert torch.equal(fn(x[3:].clone()), whole[3:]), fn  # misaligned start
+
+
+@gpu
+@GPU_SETTINGS
+@given(t=st.integers(1, 300), d=st.sampled_from([16, 64, 128]), dtype=DTYPES, seed=st.integers(0, 2**16))
+def test_gpu_rope_depends_only_on_position(t, d, dtype, seed):
+    table = kernels.rope_table(d, 10000.0, 4096)
+    x = _randn(seed, t, 3, d, dtype=dtype, device="cuda")
+    pos = torch.randint(0, 4096, (t,), generator=torch.Generator().manual_seed(seed))
+    full = kernels.apply_rope(x, pos, table)
+    assert torch.equal(kernels.apply_rope(x[-1:], pos[-1:], table)[0], full[-1])
+    assert torch.equal(kernels.apply_rope(x, pos.cuda(), table), full)
+
+
+@gpu
+@settings(max_examples=25, deadline=None)
+@given(
+    length=st.integers(1, 400), hkv=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 3]),
+    d=st.sampled_from([16, 64, 128]), dtype=DTYPES, seed=st.integers(0, 2**16),
+    others=st.integers(0, 4),
+)
+def test_gpu_attention_decode_equals_whole_sequence(length, hkv, group, d, dtype, seed, others):
+    hq = hkv * group
+    dev = "cuda"
+    q = _randn(seed, length, hq, d, dtype=dtype, device=dev)
+    k = _randn(seed + 1, 1, length, hkv, d, dtype=dtype, device=dev)
+    v = _randn(seed + 2, 1, length, hkv, d, dtype=dtype, device=dev)
+    scale = kernels.attention_scale(d)
+    full = kernels.attention(q, k, v, torch.zeros(length, dtype=torch.long), torch.arange(length), scale)
+    pad = 70  # a paged cache's unused slots: garbage
+    kd = torch.cat([k, torch.full((1, pad, hkv, d), float("nan"), dtype=dtype, device=dev)], dim=1)
+    vd = torch.cat([v, torch.full((1, pad, hkv, d), float("inf"), dtype=dtype, device=dev)], dim=1)
+    for t in sorted({0, length // 2, length - 1}):
+        one = kernels.attention(q[t : t + 1], kd, vd, torch.zeros(1, dtype=torch.long), torch.tensor([t]), scale)
+        assert torch.equal(one[0], full[t]), t
+    # a chunked prefill: the last chunk of queries against the whole cached context
+    c = max(1, length // 3)
+    chunk = kernels.attention(q[-c:], kd, vd, torch.zeros(c, dtype=torch.long), torch.arange(length - c, length), scale)
+    assert torch.equal(chunk, full[-c:])
+    t = length - 1
+    if others:
+        ko = _randn(seed + 3, others, length + pad, hkv, d, dtype=dtype, device=dev)
+        vo = _randn(seed + 4, others, length + pad, hkv, d, dtype=dtype, device=dev)
+        kb, vb = torch.cat([ko, kd]), torch.cat([vo, vd])
+        qb = torch.cat([_randn(seed + 5, others, hq, d, dtype=dtype, device=dev), q[t:]])
+        seqs = torch.arange(others + 1)
+        pos = torch.cat([torch.randint(0, length + pad, (others,)), torch.tensor([t])])
+        assert torch.equal(kernels.attention(qb, kb, vb, seqs, pos, scale)[-1], full[t])
+    ref = kernels._attention_reference(q.cpu().float(), k.cpu().float(), v.cpu().float(),
+                                       torch.zeros(length, dtype=torch.long), torch.arange(length), scale)
+    assert (full.cpu().float() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@gpu
+def test_gpu_attention_gradients():
+    dev = "cuda"
+    q = _randn(0, 2 * 90, 4, 32, device=dev).requires_grad_()
+    k = _randn(1, 2, 90, 2, 32, device=dev).requires_grad_()
+    v = _randn(2, 2, 90, 2, 32, device=dev).requires_grad_()
+    seq, pos = torch.arange(2).repeat_interleave(90), torch.arange(90).repeat(2)
+    out = kernels.attention(q, k, v, seq, pos, 0.2)
+    cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    ref = kernels._attention_reference(*cpu, seq, pos, 0.2)
+    assert (out.cpu() - ref).abs().max() < 1e-5
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for t, r in zip((q, k, v), cpu, strict=True):
+        assert (t.grad.cpu() - r.grad).abs().max() < 1e-4
+
+
+@gpu
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 64), vocab=st.sampled_from([512, 2048, 49152, 151936]),
+       dtype=DTYPES, seed=st.integers(0, 2**16), pick=st.integers(0, 63))
+def test_gpu_log_softmax_row_invariant(rows, vocab, dtype, seed, pick):
+    """torch's CUDA log_softmax (the op vLLM's sampler runs) reduces a row on its own."""
+    logits = _randn(seed, rows, vocab, dtype=dtype, device="cuda")
+    i = pick % rows
+    full = kernels.log_softmax(logits)
+    assert torch.equal(kernels.log_softmax(logits[i : i + 1])[0], full[i])
+    big = torch.cat([_randn(seed + 1, 1024, vocab, dtype=dtype, device="cuda"), logits[i : i + 1]])
+    assert torch.equal(kernels.log_softmax(big)[-1], full[i])
