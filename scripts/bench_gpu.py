@@ -57,7 +57,7 @@ def environment() -> None:
 def ceilings() -> None:
     x = torch.empty(2**30, dtype=torch.float32, device="cuda").normal_()  # 4 GiB
     y = torch.empty_like(x)
-    ms = bench(lambda: y.copy_(x))
+    ms = bench(lambda x=x, y=y: y.copy_(x))
     log("ceiling", "d2d_copy_TB/s", round(2 * x.numel() * 4 / ms / 1e9, 2))
     del x, y
     a, b = randn(8192, 8192), randn(8192, 8192, seed=1)
@@ -133,7 +133,7 @@ def attention_speed() -> None:
         flops = 4 * b * hq * d * t * t / 2
         row = {"sdpa_causal_ms": round(t_sdpa, 3), "sdpa_TFLOP/s": round(flops / t_sdpa / 1e9, 1)}
         for name, cfg in variants.items():
-            ms = bench(lambda q=q, k=k, v=v, seq=seq, pos=pos, cfg=cfg: cuda.attention_forward(q, k, v, seq, pos, scale, cfg))
+            ms = bench(lambda q=q, k=k, v=v, seq=seq, pos=pos, cfg=cfg, scale=scale: cuda.attention_forward(q, k, v, seq, pos, scale, cfg))
             row[name] = {"ms": round(ms, 3), "TFLOP/s": round(flops / ms / 1e9, 1), "vs_sdpa": round(ms / t_sdpa, 2)}
         ms = bench(lambda q=q, seq=seq: cuda.attention_tile_plan(seq, 64))
         row["tile_plan_cpu_ms"] = round(ms, 3)
@@ -146,8 +146,9 @@ def attention_speed() -> None:
         q = randn(r, hq, d)
         seq, pos = torch.arange(r), torch.full((r,), length - 1)
         scale = kernels.attention_scale(d)
-        t_sdpa = bench(lambda: F.scaled_dot_product_attention(q.view(r, hq, 1, d), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True))
-        t_ours = bench(lambda: cuda.attention_forward(q, k, v, seq, pos, scale))
+        qv, kt, vt = q.view(r, hq, 1, d), k.transpose(1, 2), v.transpose(1, 2)
+        t_sdpa = bench(lambda qv=qv, kt=kt, vt=vt: F.scaled_dot_product_attention(qv, kt, vt, enable_gqa=True))
+        t_ours = bench(lambda q=q, k=k, v=v, seq=seq, pos=pos, scale=scale: cuda.attention_forward(q, k, v, seq, pos, scale))
         gb = 2 * k.numel() * 2 / 1e9
         log("attention_decode_bf16", f"R={r} L={length}", {
             "sdpa_ms": round(t_sdpa, 4), "parity_ms": round(t_ours, 4),

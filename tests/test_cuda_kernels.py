@@ -248,7 +248,7 @@ GPU_SETTINGS = settings(max_examples=20, deadline=None)
 @gpu
 @GPU_SETTINGS
 @given(
-    rows=st.integers(1, 300), k=st.sampled_from([32, 96, 576, 1000]),
+    rows=st.integers(1, 300), k=st.sampled_from([32, 96, 576, 1000, 1001]),
     n=st.sampled_from([32, 192, 1000]), dtype=DTYPES, seed=st.integers(0, 2**16),
     pick=st.integers(0, 299),
 )
@@ -297,7 +297,8 @@ def test_gpu_rms_norm_silu_row_sum_row_invariant(rows, h, dtype, seed, pick):
     assert torch.equal(kernels.row_sum(x[i : i + 1])[0], kernels.row_sum(x)[i])
     ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
     ref = w.double() * ref.to(dtype).double()
-    assert (full.double() - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 0.1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: a rounding flip of the normalised value
+    assert (full.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
 @gpu
@@ -374,7 +375,7 @@ def test_gpu_attention_decode_equals_whole_sequence(length, hkv, group, d, dtype
         assert torch.equal(kernels.attention(qb, kb, vb, seqs, pos, scale)[-1], full[t])
     ref = kernels._attention_reference(q.cpu().float(), k.cpu().float(), v.cpu().float(),
                                        torch.zeros(length, dtype=torch.long), torch.arange(length), scale)
-    assert (full.cpu().float() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+    assert (full.cpu().float() - ref).abs().max() < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
 @gpu
