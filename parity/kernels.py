@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 # Rows per GEMM call. 16 keeps one-token decode cheap (a padded tile of 16 rows still streams
 # the weight once) while giving MKL a real GEMM shape.
-TILE_ROWS = 16
+TILE_ROWS = 64
 # Elements per transcendental call: below torch's parallel grain (32768), so one thread runs
 # the whole chunk, and a multiple of 64 (the widest vector loop: 2 x 32 bf16 lanes), so no
 # element ever goes through the scalar tail loop.
@@ -88,10 +88,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Invariant because: rows are zero-padded to whole tiles and each GEMM call gets exactly
     TILE_ROWS rows, so MKL/oneDNN always pick the same kernel and K-order for a given weight;
     within a tile a row's result does not depend on its position or its neighbours (checked in
-    tests/test_kernels.py).
+    tests/test_kernels.py). Gradients (training only) come from plain GEMMs: they need not be
+    bitwise reproducible across batch shapes, only correct.
     """
     if x.is_cuda:
         return _cuda().linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        out = _Linear.apply(x, weight)
+    else:
+        out = _linear_tiles(x, weight)
+    return out if bias is None else out + bias
+
+
+def _linear_tiles(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
@@ -101,9 +110,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = rows.contiguous()
     wt = weight.contiguous().t()
     out = torch.cat([tile @ wt for tile in rows.split(TILE_ROWS)])[:m]
-    if bias is not None:
-        out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _linear_tiles(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_w
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -165,6 +188,21 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: tuple[torch.Tens
     return out.to(x.dtype)
 
 
+def _entry_bmm(a: torch.Tensor, b: torch.Tensor, entries: int) -> torch.Tensor:
+    """a [..., M, K] @ b [..., K, N] as one torch.bmm over `entries` independent products.
+
+    Invariant because: every entry is a GEMM of a shape fixed by the model config
+    ([g, D] x [D, KV_BLOCK] for scores, [g, KV_BLOCK] x [KV_BLOCK, D] for values), both operands
+    made contiguous in the same layout on every call; torch's CPU bmm computes entries
+    independently with a kernel chosen by the entry shape, so an entry's bits do not depend on
+    how many entries share the call (checked in tests/test_kernels.py)."""
+    shape = a.shape[:-1] + b.shape[-1:]
+    out = torch.bmm(
+        a.reshape(entries, *a.shape[-2:]).contiguous(), b.reshape(entries, *b.shape[-2:]).contiguous()
+    )
+    return out.view(shape)
+
+
 def _attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
     scale: float,
@@ -176,7 +214,11 @@ def _attention_forward(
     if padded != length:
         k = F.pad(k, (0, 0, 0, 0, 0, padded - length))
         v = F.pad(v, (0, 0, 0, 0, 0, padded - length))
-    qf = q.float().view(nq, hkv, g, 1, d)
+    qf = q.float().view(nq, hkv, g, d)
+    # Keys as [R, hkv, D, L] and values as [R, hkv, L, D], once per call: each block below is
+    # then one gather, already in the layout its products take.
+    kt = k.float().permute(0, 2, 3, 1).contiguous()
+    vt = v.float().transpose(1, 2).contiguous()
     m = torch.full((nq, hkv, g), -math.inf)
     denom = torch.zeros(nq, hkv, g)
     acc = torch.zeros(nq, hkv, g, d)
@@ -190,18 +232,19 @@ def _attention_forward(
         rows = slice(None) if j == 0 else (q_pos >= start).nonzero().squeeze(1)
         valid = (start + offsets).unsqueeze(0) <= q_pos[rows].unsqueeze(1)  # [n, B]
         seqs = q_seq[rows]
-        kb = k[seqs, start : start + KV_BLOCK].float().permute(0, 2, 1, 3)  # [n, hkv, B, d]
-        vb = v[seqs, start : start + KV_BLOCK].float().permute(0, 2, 3, 1)  # [n, hkv, d, B]
+        n = seqs.numel()
+        kb = kt[seqs, :, :, start : start + KV_BLOCK]  # [n, hkv, d, B], a fresh contiguous copy
+        vb = vt[seqs, :, start : start + KV_BLOCK]  # [n, hkv, B, d]
         # Masked slots may hold garbage (a paged cache's unused slots): replace, never multiply.
-        vb = vb.masked_fill(~valid[:, None, None, :], 0.0)
-        scores = row_sum(qf[rows] * kb.unsqueeze(2)) * scale  # [n, hkv, g, B]
+        vb.masked_fill_(~valid[:, None, :, None], 0.0)
+        scores = _entry_bmm(qf[rows], kb, n * hkv) * scale  # [n, hkv, g, B]
         scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
         m_old = m[rows]
         m_new = torch.maximum(m_old, scores.amax(-1))
         correction = pointwise(torch.exp, m_old - m_new)
         p = pointwise(torch.exp, scores - m_new.unsqueeze(-1))
         denom[rows] = denom[rows] * correction + row_sum(p)
-        acc[rows] = acc[rows] * correction.unsqueeze(-1) + row_sum(p.unsqueeze(3) * vb.unsqueeze(2))
+        acc[rows] = acc[rows] * correction.unsqueeze(-1) + _entry_bmm(p, vb, n * hkv)
         m[rows] = m_new
     out = acc / denom.unsqueeze(-1)
     return out.view(nq, hq, d).to(q.dtype)
@@ -211,14 +254,29 @@ def _attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Dense differentiable attention with the same semantics, used to compute gradients."""
+    """Dense differentiable attention with the same semantics, used to compute gradients only
+    (gradients need not be bitwise reproducible, so this uses plain batched matmuls)."""
     nq, hq, d = q.shape
-    hkv = k.shape[2]
+    num_seqs, length, hkv = k.shape[:3]
     g = hq // hkv
+    per_seq = nq // num_seqs if num_seqs else 0
+    regular = per_seq * num_seqs == nq and torch.equal(
+        q_seq, torch.arange(num_seqs).repeat_interleave(per_seq)
+    )
+    if regular:
+        # The training layout: every sequence contributes the same number of queries, in order.
+        qr = q.float().view(num_seqs, per_seq, hq, d).transpose(1, 2)  # [R, hq, Lq, d]
+        kr = k.float().repeat_interleave(g, dim=2).transpose(1, 2)  # [R, hq, L, d]
+        vr = v.float().repeat_interleave(g, dim=2).transpose(1, 2)
+        scores = qr @ kr.transpose(-1, -2) * scale  # [R, hq, Lq, L]
+        pos = q_pos.view(num_seqs, 1, per_seq, 1)
+        mask = torch.arange(length).view(1, 1, 1, length) > pos
+        probs = scores.masked_fill(mask, -math.inf).softmax(-1)
+        return (probs @ vr).transpose(1, 2).reshape(nq, hq, d).to(q.dtype)
     kq = k[q_seq].float().repeat_interleave(g, dim=2)  # [nq, L, hq, d]
     vq = v[q_seq].float().repeat_interleave(g, dim=2)
     scores = torch.einsum("nhd,nlhd->nhl", q.float(), kq) * scale
-    mask = torch.arange(k.shape[1]).unsqueeze(0) > q_pos.unsqueeze(1)  # [nq, L]
+    mask = torch.arange(length).unsqueeze(0) > q_pos.unsqueeze(1)  # [nq, L]
     probs = scores.masked_fill(mask[:, None, :], -math.inf).softmax(-1)
     return torch.einsum("nhl,nlhd->nhd", probs, vq).to(q.dtype)
 

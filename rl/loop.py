@@ -106,7 +106,7 @@ class Run:
         self._make_worker = lambda i: (
             ray.remote(RolloutWorker)
             .options(num_cpus=1, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=i),
-                     runtime_env=env)
+                     runtime_env=env, name=f"kimi-rl-rollout-{i}")
             .remote(
                 i, cfg.model.path, dtype=cfg.model.dtype, parity=cfg.parity, seed=cfg.seed,
                 max_model_len=max_len, max_num_seqs=cfg.rollout.max_num_seqs,
@@ -176,13 +176,13 @@ def make_sync(run: Run, cfg: Config, probe: list[list[int]]):
 
     from rl.sync import ParityProbeHook, WeightSync, build_hooks
 
-    def push_adapter(tensors, scaling):
+    def push_adapter(tensors, scaling, checksums):
         ref = ray.put(tensors)  # one copy in the object store, read by every worker
-        return ray.get([w.sync_adapter.remote(ref, scaling) for w in run.workers])
+        return ray.get([w.sync_adapter.remote(ref, scaling, checksums) for w in run.workers])
 
-    def push_full(bucket):
+    def push_full(bucket, checksums):
         ref = ray.put(bucket)
-        return ray.get([w.sync_weights.remote(ref) for w in run.workers])
+        return ray.get([w.sync_weights.remote(ref, checksums) for w in run.workers])
 
     def parity_probe():
         starts = [1] * len(probe)
@@ -301,7 +301,7 @@ def train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, conso
     group_samples = [s for s in samples for _ in range(k)]
     prompts = [format_prompt(s, pre.tokenizer, cfg.data.chat_template) for s in group_samples]
     t0 = time.perf_counter()
-    completions = generate_with_restart(run, prompts, step, console)
+    completions = generate_with_restart(run, prompts, step, console, issues_log)
     t_rollout = time.perf_counter() - t0
 
     # reward
@@ -354,7 +354,7 @@ def train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, conso
     }
 
 
-def generate_with_restart(run: Run, prompts: list[list[int]], step: int, console) -> list[dict]:
+def generate_with_restart(run: Run, prompts: list[list[int]], step: int, console, issues_log) -> list[dict]:
     """A rollout worker that dies is reported, restarted once, re-synced, and the step's rollout
     re-run (its seed is a function of the step, so the retry samples the same tokens)."""
     import ray
@@ -366,7 +366,9 @@ def generate_with_restart(run: Run, prompts: list[list[int]], step: int, console
         if not dead:
             raise
         for i in dead:
-            console.print(f"[red]rollout worker {i} died[/] ({type(e).__name__}); restarting it")
+            console.print(f"[red]step {step}: rollout worker {i} died[/] ({type(e).__name__}); restarting it")
+            issues_log.write(f"step {step}: rollout worker {i} died ({type(e).__name__}); restarted\n")
+            issues_log.flush()
             run.restart_worker(i)
             run.resync_worker(i)
         try:

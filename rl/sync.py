@@ -66,7 +66,10 @@ class SyncEvent:
 
 
 class SyncHook:
-    """Base class with no-op methods; override either."""
+    """Base class with no-op methods; override either. A hook that reads
+    event.worker_checksums sets `needs_checksums = True` (workers skip hashing otherwise)."""
+
+    needs_checksums = False
 
     def before_sync(self, event: SyncEvent) -> None:
         pass
@@ -77,6 +80,8 @@ class SyncHook:
 
 class ChecksumHook(SyncHook):
     """Every rollout worker must hold exactly the bytes the trainer sent."""
+
+    needs_checksums = True  # asks the workers to hash what they hold (see WeightSync)
 
     def after_sync(self, event: SyncEvent) -> None:
         expected = checksums(event.tensors)
@@ -146,19 +151,21 @@ def buckets(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[dict[st
 class WeightSync:
     """Runs the hooks around a push to the rollout workers.
 
-    `push_adapter(tensors, scaling)` and `push_full(bucket)` send to every worker and return
-    each worker's checksums of what it now holds (the driver wires them to the Ray actors;
-    a test can wire them to engines in the same process)."""
+    `push_adapter(tensors, scaling, checksums)` and `push_full(bucket, checksums)` send to
+    every worker and return each worker's checksums of what it now holds ({} when checksums is
+    False). The driver wires them to the Ray actors; a test can wire them to anything that
+    holds tensors."""
 
     def __init__(
         self,
         hooks: Sequence[SyncHook],
         num_workers: int,
-        push_adapter: Callable[[dict[str, torch.Tensor], float], list[dict[str, str]]],
-        push_full: Callable[[dict[str, torch.Tensor]], list[dict[str, str]]],
+        push_adapter: Callable[[dict[str, torch.Tensor], float, bool], list[dict[str, str]]],
+        push_full: Callable[[dict[str, torch.Tensor], bool], list[dict[str, str]]],
         bucket_mb: int = 64,
     ) -> None:
         self.hooks = list(hooks)
+        self.checksums = any(getattr(h, "needs_checksums", False) for h in self.hooks)
         self.num_workers = num_workers
         self.push_adapter = push_adapter
         self.push_full = push_full
@@ -173,13 +180,13 @@ class WeightSync:
             hook.before_sync(event)
         start = time.perf_counter()
         if kind == "adapter":
-            event.worker_checksums = self.push_adapter(event.tensors, scaling)
+            event.worker_checksums = self.push_adapter(event.tensors, scaling, self.checksums)
             event.buckets = 1
         else:
             held: list[dict[str, str]] = [{} for _ in range(self.num_workers)]
             parts = buckets(event.tensors, self.bucket_bytes)
             for part in parts:
-                for worker, sums in enumerate(self.push_full(part)):
+                for worker, sums in enumerate(self.push_full(part, self.checksums)):
                     held[worker].update(sums)
             event.worker_checksums, event.buckets = held, len(parts)
         event.seconds = time.perf_counter() - start

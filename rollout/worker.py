@@ -50,15 +50,19 @@ class RolloutWorker:
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         return self.engine.prompt_logprobs(sequences)
 
-    def sync_adapter(self, tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, str]:
+    def sync_adapter(
+        self, tensors: dict[str, torch.Tensor], scaling: float, checksums: bool = True
+    ) -> dict[str, str]:
+        """Hold this adapter from now on; returns the checksums of what the model now holds
+        (or {} with checksums=False: hashing costs more than the copy)."""
         self.engine.set_adapter(tensors, scaling)
-        return self.engine.adapter_checksums()
+        return self.engine.adapter_checksums() if checksums else {}
 
-    def sync_weights(self, bucket: dict[str, torch.Tensor]) -> dict[str, str]:
+    def sync_weights(self, bucket: dict[str, torch.Tensor], checksums: bool = True) -> dict[str, str]:
         """Full-weight sync of one bucket; returns the checksums of the tensors it now holds
         under the bucket's names."""
         self.engine.update_weights(bucket)
-        if not self.engine.parity:
+        if not checksums or not self.engine.parity:
             return {}  # stock vLLM repacks weights for its kernels: nothing to checksum
         held = self.engine.weight_checksums()
         return {name: held[name] for name in bucket if name in held}

@@ -229,7 +229,10 @@ _INTERPRETED = textwrap.dedent(
 )
 
 
+@pytest.mark.skipif(CUDA, reason="on a GPU the compiled kernels are tested instead")
 def test_triton_kernels_under_the_interpreter():
+    # Triton's interpreter changes between releases (3.6's cannot loop over a runtime bound);
+    # this runs with the CPU stack's triton (3.9).
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(

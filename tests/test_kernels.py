@@ -137,3 +137,29 @@ def test_log_softmax_is_vllms_sampler_op():
 
     logits = _randn(0, 7, 512, dtype=torch.bfloat16)
     assert torch.equal(Sampler.compute_logprobs(logits), kernels.log_softmax(logits))
+
+
+@SETTINGS
+@given(entries=st.integers(1, 3000), g=st.sampled_from([1, 2, 3, 4]), d=st.sampled_from([32, 64, 128]),
+       seed=st.integers(0, 2**16), pick=st.integers(0, 2999))
+def test_attention_block_products_are_entry_invariant(entries, g, d, seed, pick):
+    """The score and value products of one (query, kv-head) entry give the same bits alone as
+    among any number of other entries."""
+    a = _randn(seed, entries, g, d)
+    b = _randn(seed + 1, entries, d, kernels.KV_BLOCK)
+    i = pick % entries
+    full = kernels._entry_bmm(a, b, entries)
+    assert torch.equal(kernels._entry_bmm(a[i : i + 1], b[i : i + 1], 1)[0], full[i])
+    p = _randn(seed + 2, entries, g, kernels.KV_BLOCK)
+    v = _randn(seed + 3, entries, kernels.KV_BLOCK, d)
+    assert torch.equal(kernels._entry_bmm(p[i:], v[i:], entries - i)[0], kernels._entry_bmm(p, v, entries)[i])
+
+
+def test_linear_gradients_match_plain_autograd():
+    x = _randn(0, 3, 37, 96).requires_grad_()
+    w = _randn(1, 64, 96).requires_grad_()
+    kernels.linear(x, w).square().sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    F.linear(x, w).square().sum().backward()
+    assert (gx - x.grad).abs().max() < 1e-3 and (gw - w.grad).abs().max() < 1e-3

@@ -34,13 +34,14 @@ class Holder:
 class RecordingHook(SyncHook):
     """Imported by build_hooks through "tests.test_sync:RecordingHook"."""
 
+    needs_checksums = True
     events: list = []
 
     def before_sync(self, event):
         RecordingHook.events.append(("before", event.step, sorted(event.tensors)))
 
     def after_sync(self, event):
-        RecordingHook.events.append(("after", event.step, event.buckets))
+        RecordingHook.events.append(("after", event.step, event.buckets, len(event.worker_checksums[0])))
 
 
 class DoubleB(SyncHook):
@@ -62,8 +63,8 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 def _sync(hooks, holders, bucket_mb=64):
     return WeightSync(
         hooks, len(holders),
-        push_adapter=lambda t, scaling: [h.receive(t) for h in holders],
-        push_full=lambda bucket: [h.receive(bucket) for h in holders],
+        push_adapter=lambda t, scaling, sums: [h.receive(t) if sums else {} for h in holders],
+        push_full=lambda bucket, sums: [h.receive(bucket) if sums else {} for h in holders],
         bucket_mb=bucket_mb,
     )
 
@@ -102,7 +103,7 @@ def test_full_sync_goes_in_buckets():
     tensors = {f"w{i}": torch.full((2**18,), float(i)) for i in range(5)}  # 1 MiB each
     RecordingHook.events = []
     _sync([ChecksumHook(), RecordingHook()], holders, bucket_mb=2).sync(1, tensors, kind="full")
-    assert RecordingHook.events[-1] == ("after", 1, 3)
+    assert RecordingHook.events[-1] == ("after", 1, 3, 5)
     assert checksums(holders[0].tensors) == checksums(tensors)
 
 
@@ -135,3 +136,14 @@ def test_build_hooks_from_names():
         build_hooks(["timing", "no_such_module:Hook"])
     with pytest.raises(UserError, match=r"sync.hooks\[0\].*before_sync"):
         build_hooks(["tests.test_sync:_tensors"])
+
+
+def test_workers_hash_only_when_a_hook_reads_checksums():
+    holders = [Holder()]
+    RecordingHook.needs_checksums = False
+    try:
+        RecordingHook.events = []
+        _sync([TimingHook(), RecordingHook()], holders).sync(2, _tensors(), kind="adapter")
+        assert RecordingHook.events[-1] == ("after", 2, 1, 0)
+    finally:
+        RecordingHook.needs_checksums = True

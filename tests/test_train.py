@@ -52,11 +52,17 @@ def _assert_every_step_bitwise(records: list[dict], steps: int) -> None:
             assert isinstance(r[key], float), key
 
 
-def test_ppo_with_lora_two_workers(model_factory, tmp_path):
-    run_dir = tmp_path / "ppo"
+@pytest.fixture(scope="module")
+def ppo_run(model_factory, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ppo") / "run"
     cfg = _config(model_factory("llama"), run_dir, "algorithm.name=ppo", "total_steps=3",
                   "rollout.num_workers=2", "algorithm.kl_coef=0.01", "sync.hooks=[checksum,timing,parity_probe]")
     train(cfg)
+    return cfg, run_dir
+
+
+def test_ppo_with_lora_two_workers(ppo_run):
+    cfg, run_dir = ppo_run
     records = read_metrics(run_dir)
     _assert_every_step_bitwise(records, 3)
     for r in records:
@@ -68,6 +74,46 @@ def test_ppo_with_lora_two_workers(model_factory, tmp_path):
     assert (run_dir / "curves.png").stat().st_size > 0
     assert json.loads((run_dir / "checkpoints" / "step_000003" / "adapter" / "adapter_config.json")
                       .read_text())["r"] == cfg.lora.rank
+
+
+def test_checkpoint_adapter_loads_in_stock_vllm(ppo_run, model_factory):
+    """The peft adapter of a checkpoint serves in stock vLLM (--enable-lora): its log-probs
+    follow the trained adapter (close to the parity trainer's, not bitwise: stock kernels)."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    cfg, run_dir = ppo_run
+    adapter_dir = run_dir / "checkpoints" / "step_000003" / "adapter"
+    seq = [5, 17, 42, 99, 7, 250, 3, 64, 128, 11]
+    llm = LLM(model=model_factory("llama"), dtype="float32", enable_lora=True, max_lora_rank=cfg.lora.rank,
+              max_loras=1, enforce_eager=True, max_model_len=64, max_num_seqs=2, enable_prefix_caching=False)
+    try:
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+
+        def score(lora):
+            out = llm.generate([TokensPrompt(prompt_token_ids=seq)], params, lora_request=lora, use_tqdm=False)
+            return torch.tensor([out[0].prompt_logprobs[i][t].logprob for i, t in enumerate(seq) if i])
+
+        base, tuned = score(None), score(LoRARequest("policy", 1, str(adapter_dir)))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    from parity.model_spec import ModelSpec
+    from trainer.logprobs import sequence_logprobs
+    from trainer.lora import adapters_disabled, apply_lora, load_peft_state_dict
+    from trainer.megatron_patches import init_megatron
+    from trainer.model import load_model
+
+    init_megatron()
+    model = load_model(model_factory("llama"), "fp32", parity=True).eval()
+    apply_lora(model, ModelSpec.from_dir(model_factory("llama")), cfg.lora.rank, cfg.lora.alpha,
+               list(cfg.lora.target_modules))
+    load_peft_state_dict(model, load_file(str(adapter_dir / "adapter_model.safetensors")))
+    with torch.no_grad():
+        (ours,) = sequence_logprobs(model, [seq], [1])
+        with adapters_disabled(model):
+            (ours_base,) = sequence_logprobs(model, [seq], [1])
+    assert (tuned - base).abs().max() > 1e-4  # the adapter was applied
+    assert (tuned - ours).abs().max() < 1e-4 and (base - ours_base).abs().max() < 1e-4
 
 
 def test_grpo_resume_is_bitwise(model_factory, tmp_path):
@@ -135,3 +181,44 @@ def test_print_config(model_factory, capsys):
                  "algorithm.kl_coef=0.01", "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "kl_coef: 0.01" in out and "total_steps: 20" in out
+
+
+def flaky_reward(completion: str, sample) -> float:
+    """A user reward function that raises for some samples."""
+    if sample.metadata["index"] % 2:
+        raise RuntimeError("flaky reward")
+    return float(len(completion) > 0)
+
+
+class KillRolloutWorkerOnce:
+    """A sync hook that kills rollout worker 0 after the sync of step 1 (a worker dying
+    between steps, as an OOM kill would)."""
+
+    killed = False
+
+    def before_sync(self, event):
+        pass
+
+    def after_sync(self, event):
+        import ray
+
+        if event.step == 1 and not KillRolloutWorkerOnce.killed:
+            KillRolloutWorkerOnce.killed = True
+            ray.kill(ray.get_actor("kimi-rl-rollout-0"), no_restart=True)
+
+
+def test_full_weights_flaky_reward_and_a_dying_worker(model_factory, tmp_path):
+    """Without LoRA the full weights go through the same sync API, bucketed; a reward function
+    that raises is reported, not a crash; a rollout worker that dies is restarted and re-synced."""
+    run_dir = tmp_path / "full"
+    train(_config(model_factory("llama"), run_dir, "lora.enabled=false", "total_steps=3",
+                  "trainer.lr=1e-4", "reward.type=function", "reward.function=tests.test_train:flaky_reward",
+                  "sync.bucket_mb=1", "sync.hooks=[checksum,timing,tests.test_train:KillRolloutWorkerOnce]"))
+    records = read_metrics(run_dir)
+    _assert_every_step_bitwise(records, 3)
+    assert all(r["reward/issues"] > 0 for r in records)
+    issues = (run_dir / "issues.log").read_text()
+    assert "RuntimeError: flaky reward" in issues
+    assert "step 2: rollout worker 0 died" in issues
+    ckpt = run_dir / "checkpoints" / "step_000003" / "model"
+    assert any(ckpt.glob("*.safetensors"))
