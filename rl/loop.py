@@ -86,13 +86,24 @@ class Run:
     def __init__(self, cfg: Config) -> None:
         import ray
 
-        from rl.cluster import placement_group, start_ray
-        from rollout.worker import RolloutWorker
-        from trainer.worker import TrainerWorker
+        from rl.cluster import start_ray
 
         self.cfg = cfg
         n = cfg.rollout.num_workers
         start_ray(cfg.ray, cfg.run_dir, num_cpus_needed=n + 1)
+        try:
+            self._start_actors(cfg, n)
+        except BaseException:
+            ray.shutdown()  # a failed start leaves no cluster behind
+            raise
+
+    def _start_actors(self, cfg: Config, n: int) -> None:
+        import ray
+
+        from rl.cluster import placement_group
+        from rollout.worker import RolloutWorker
+        from trainer.worker import TrainerWorker
+
         self.pg = placement_group(n, use_gpus=False)
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}}

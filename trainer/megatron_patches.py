@@ -47,7 +47,7 @@ def init_megatron(tp_size: int = 1, seed: int = 0) -> None:
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(
             backend,
@@ -63,7 +63,7 @@ def init_megatron(tp_size: int = 1, seed: int = 0) -> None:
     torch.manual_seed(seed)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

@@ -13,12 +13,15 @@ from rl.config import Config
 
 class TrainerWorker:
     def __init__(self, cfg: Config) -> None:
-        from trainer.megatron_patches import init_megatron
+        from trainer.megatron_patches import free_port, init_megatron
         from trainer.policy import PolicyTrainer
 
         n = os.cpu_count() or 1  # see rollout.worker._set_threads
         os.environ["OMP_NUM_THREADS"] = str(n)
         torch.set_num_threads(n)
+        # A world of one on this node. The actor inherits the driver's environment, whose
+        # MASTER_PORT may be a port the driver's own process group already listens on.
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
         init_megatron(tp_size=cfg.trainer.tensor_parallel_size, seed=cfg.seed)
         self.cfg = cfg
         self.policy = PolicyTrainer(

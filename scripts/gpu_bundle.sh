@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Build the wheel bundle that scripts/gpu_check.sh installs on a GPU machine without network
+# (docs/gpu.md, "Recipe"). Run where pip reaches a package index:
+#
+#   scripts/gpu_bundle.sh TARGET_PACKAGES [OUT_DIR]     (OUT_DIR default: .gpu)
+#
+# TARGET_PACKAGES: the names of the distributions the GPU machine already has, one per line or
+# comma-separated (e.g. `python3 -m pip list --format=freeze` run there). Writes
+#   OUT_DIR/wheels/megatron_core-0.16.1-cp312-*.whl
+#   OUT_DIR/wheels/vdeps/*.whl                 vLLM 0.24.0's requirements the machine lacks
+#   OUT_DIR/wheels/vllm-0.24.0-slim.zip        vLLM without its big CUDA extensions
+#   OUT_DIR/wheels/kimi_rl-0.1.0.dist-info/    the vllm.general_plugins entry point
+#   OUT_DIR/cpart_a/C.so.gz.aa, OUT_DIR/cpart_b/C.so.gz.ab
+#                                              vllm/_C_stable_libtorch.abi3.so (110 MB), gzip
+#                                              (83 MiB), in two halves: each fits one 64 MiB
+#                                              transfer on its own, not next to the wheels
+set -euo pipefail
+TARGET=${1:?usage: gpu_bundle.sh TARGET_PACKAGES [OUT_DIR]}
+OUT_DIR=${2:-.gpu}
+PY=${PY:-python3}
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+      --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
+mkdir -p "$OUT_DIR/wheels/vdeps" "$OUT_DIR/vllm" "$OUT_DIR/cpart_a" "$OUT_DIR/cpart_b"
+$PY -m pip download -q --no-deps "${PLAT[@]}" -d "$OUT_DIR/wheels" megatron-core==0.16.1
+$PY -m pip download -q --no-deps "${PLAT[@]}" -d "$OUT_DIR/vllm" vllm==0.24.0
+
+$PY - "$TARGET" "$OUT_DIR" "${PLAT[@]}" <<'EOF'
+import glob, gzip, re, shutil, subprocess, sys, zipfile
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name as cn
+
+target_file, out, plat = sys.argv[1], sys.argv[2], sys.argv[3:]
+present = {cn(re.split(r"[=<>@ ]", x.strip())[0]) for x in re.split(r"[,\n]", open(target_file).read()) if x.strip()}
+# Not carried: GPU kernel packages vLLM imports lazily (FlashInfer, CUTLASS DSL, TileLang, ...)
+# and the torch trio (the machine's torch 2.11.0 is vLLM 0.24.0's pin).
+skip = {cn(x) for x in """flashinfer-python flashinfer-cubin tilelang nvidia-cudnn-frontend
+    fastsafetensors nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels torch
+    torchaudio torchvision vllm""".split()}
+# Versions the index lacked or that conflict (docs/gpu.md): vLLM pins llguidance>=1.7 (absent:
+# 1.6.1 imports fine) and apache-tvm-ffi==0.1.9 (for FlashInfer; xgrammar 0.2.9 needs >=0.1.11).
+override = {"llguidance": "llguidance==1.6.1", "apache-tvm-ffi": "apache-tvm-ffi>=0.1.11,<0.2"}
+env = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_machine": "x86_64",
+       "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix",
+       "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+
+def requirements(whl):
+    z = zipfile.ZipFile(whl)
+    md = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in z.read(md).decode().splitlines():
+        if line.startswith("Requires-Dist:"):
+            r = Requirement(line.split(":", 1)[1].strip())
+            if r.marker is None or r.marker.evaluate(env):
+                yield r
+
+def have():
+    return {cn(re.split(r"-\d", w.split("/")[-1])[0]): w for w in glob.glob(f"{out}/wheels/vdeps/*.whl")}
+
+todo = list(requirements(glob.glob(f"{out}/vllm/vllm-0.24.0-*.whl")[0]))
+todo.append(Requirement("apache-tvm-ffi"))  # xgrammar's, skipped above as vLLM's pin
+wanted = set()
+while todo:
+    batch = []
+    for r in todo:
+        n = cn(r.name)
+        if n in present or n in skip or n in wanted:
+            continue
+        wanted.add(n)
+        batch.append(override.get(n, f"{r.name}{r.specifier}"))
+    todo = []
+    for spec in batch:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *plat,
+                               "-d", f"{out}/wheels/vdeps", spec], capture_output=True, text=True)
+        if done.returncode:
+            print("not found:", spec)
+            continue
+        todo += requirements(have()[cn(Requirement(spec).name)])
+print(len(have()), "dependency wheels")
+
+# vLLM without the CUDA extensions that do not fit (flash-attention 2/3, MoE, FlashMLA, the
+# vllm-rs binary, DeepGEMM / FMHA sources). Its core extension travels separately (below).
+src = zipfile.ZipFile(glob.glob(f"{out}/vllm/vllm-0.24.0-*.whl")[0])
+drop = ("vllm/vllm_flash_attn/_vllm_fa", "vllm/_C_stable_libtorch", "vllm/_moe_C", "vllm/vllm-rs",
+        "vllm/third_party/deep_gemm", "vllm/third_party/fmha_sm100", "vllm/_flashmla", "vllm/_qutlass_C")
+with zipfile.ZipFile(f"{out}/wheels/vllm-0.24.0-slim.zip", "w", zipfile.ZIP_DEFLATED) as dst:
+    for info in src.infolist():
+        if info.filename.startswith(drop):
+            continue
+        data = src.read(info)
+        if info.filename == "vllm/vllm_flash_attn/__init__.py":
+            # vLLM imports this package at start-up and refuses without an FA extension; the
+            # parity models never call flash attention.
+            data = data.replace(b"if not (FA2_AVAILABLE or FA3_AVAILABLE):", b"if False:  # no FA extension carried")
+        dst.writestr(info, data)
+    # Replaced by the real extension once its two pieces are on the machine (an extension
+    # module wins over a .py of the same name).
+    dst.writestr("vllm/_C_stable_libtorch.py", "# stand-in until the extension is unpacked\n")
+blob = gzip.compress(src.read("vllm/_C_stable_libtorch.abi3.so"), 6)
+cut = len(blob) // 2
+open(f"{out}/cpart_a/C.so.gz.aa", "wb").write(blob[:cut])
+open(f"{out}/cpart_b/C.so.gz.ab", "wb").write(blob[cut:])
+print("extension pieces:", cut, len(blob) - cut)
+EOF
+
+d="$OUT_DIR/wheels/kimi_rl-0.1.0.dist-info"
+mkdir -p "$d"
+printf 'Metadata-Version: 2.1\nName: kimi-rl\nVersion: 0.1.0\n' >"$d/METADATA"
+printf '[vllm.general_plugins]\nkimi_rl = rollout.plugin:register\n' >"$d/entry_points.txt"
+du -sh "$OUT_DIR/wheels" "$OUT_DIR/cpart_a" "$OUT_DIR/cpart_b"
