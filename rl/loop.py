@@ -159,9 +159,11 @@ class Run:
     def resync_worker(self, index: int) -> None:
         import ray
 
+        from rollout.worker import pack_tensors
+
         kind, tensors, scaling = self.policy_tensors()
-        worker = self.workers[index]
-        call = worker.sync_adapter.remote(tensors, scaling) if kind == "adapter" else worker.sync_weights.remote(tensors)
+        worker, packed = self.workers[index], pack_tensors(tensors)
+        call = worker.sync_adapter.remote(packed, scaling) if kind == "adapter" else worker.sync_weights.remote(packed)
         ray.get(call)
 
     def restart_worker(self, index: int) -> None:
@@ -186,13 +188,14 @@ def make_sync(run: Run, cfg: Config, probe: list[list[int]]):
     import ray
 
     from rl.sync import ParityProbeHook, WeightSync, build_hooks
+    from rollout.worker import pack_tensors
 
     def push_adapter(tensors, scaling, checksums):
-        ref = ray.put(tensors)  # one copy in the object store, read by every worker
+        ref = ray.put(pack_tensors(tensors))  # one buffer in the object store, read by every worker
         return ray.get([w.sync_adapter.remote(ref, scaling, checksums) for w in run.workers])
 
     def push_full(bucket, checksums):
-        ref = ray.put(bucket)
+        ref = ray.put(pack_tensors(bucket))
         return ray.get([w.sync_weights.remote(ref, checksums) for w in run.workers])
 
     def parity_probe():

@@ -56,7 +56,7 @@ def main() -> None:
     from rl.cluster import start_ray
     from rl.config import RayConfig
     from rollout.engine import RolloutEngine
-    from rollout.worker import RolloutWorker
+    from rollout.worker import RolloutWorker, pack_tensors
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2", help="smollm2 or a checkpoint directory")
@@ -115,7 +115,7 @@ def main() -> None:
         mb = sum(t.numel() * t.element_size() for t in adapter.values()) / 2**20
 
         def push(a=adapter):
-            ray.get(worker.sync_adapter.remote(ray.put(a), scaling, checksums=False))
+            ray.get(worker.sync_adapter.remote(ray.put(pack_tensors(a)), scaling, checksums=False))
 
         results.append({"what": "adapter sync via Ray actor", "rank": rank, "mb": mb,
                         "ms": _median_ms(push, args.repeats)})
