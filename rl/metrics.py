@@ -13,7 +13,7 @@ from typing import Any
 CURVES = (
     ("reward/mean", "reward"),
     ("response/length_mean", "response length"),
-    ("ref/kl", "KL to reference"),
+    ("ppo/entropy", "policy entropy (nats/token)"),
     ("parity/bitwise_equal_fraction", "rollout = trainer (fraction of tokens, bitwise)"),
 )
 
@@ -88,7 +88,7 @@ class Wandb:
 
 
 def plot_curves(run_dir: Path) -> Path | None:
-    """run_dir/curves.png: reward, response length, KL to the reference, parity per step."""
+    """run_dir/curves.png: reward, response length, entropy, parity per step."""
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     if not records:
         return None
