@@ -527,27 +527,11 @@ def attention_reference(
     return out[inverse].to(q.dtype)
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, q_seq, q_pos, scale):
-        ctx.save_for_backward(q, k, v, q_seq, q_pos)
-        ctx.scale = scale
-        return attention_forward(q, k, v, q_seq, q_pos, scale)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, q_seq, q_pos = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-            out = attention_reference(*inputs, q_seq, q_pos, ctx.scale)
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
-
-
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """kernels.attention on CUDA: forward `_attention_kernel`, backward a dense recompute."""
-    return _Attention.apply(q, k, v, q_seq, q_pos, scale)
+    from parity.kernels import RecomputeAttention
+
+    return RecomputeAttention.apply(q, k, v, q_seq, q_pos, scale, attention_forward, attention_reference)

@@ -281,23 +281,27 @@ def _attention_reference(
     return torch.einsum("nhl,nlhd->nhd", probs, vq).to(q.dtype)
 
 
-class _Attention(torch.autograd.Function):
+class RecomputeAttention(torch.autograd.Function):
+    """Attention whose forward is an invariant kernel and whose gradients come from a dense
+    differentiable reference, recomputed in backward (gradients need only be correct).
+    Shared by the CPU kernel here and the CUDA kernel in parity/cuda.py."""
+
     @staticmethod
-    def forward(ctx, q, k, v, q_seq, q_pos, scale):
+    def forward(ctx, q, k, v, q_seq, q_pos, scale, forward_fn, reference_fn):
         ctx.save_for_backward(q, k, v, q_seq, q_pos)
-        ctx.scale = scale
+        ctx.scale, ctx.reference_fn = scale, reference_fn
         with torch.no_grad():
-            return _attention_forward(q, k, v, q_seq, q_pos, scale)
+            return forward_fn(q, k, v, q_seq, q_pos, scale)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, q_seq, q_pos = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-            out = _attention_reference(*inputs, q_seq, q_pos, ctx.scale)
+            out = ctx.reference_fn(*inputs, q_seq, q_pos, ctx.scale)
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+        return (*(next(grads) if t.requires_grad else None for t in inputs), *([None] * 5))
 
 
 def attention_scale(head_dim: int) -> float:
@@ -324,7 +328,7 @@ def attention(
     """
     if q.is_cuda:
         return _cuda().attention(q, k, v, q_seq, q_pos, scale)
-    return _Attention.apply(q, k, v, q_seq, q_pos, scale)
+    return RecomputeAttention.apply(q, k, v, q_seq, q_pos, scale, _attention_forward, _attention_reference)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
