@@ -46,6 +46,13 @@ _BACKEND_PATH = "rollout.attention.ParityAttentionBackend"
 def _register_backend_name() -> None:
     # vLLM's Attention layer looks its backend up by name (`AttentionBackendEnum[get_name()]`),
     # so the name must be an enum member. Registering a new member changes no existing backend.
+    global BACKEND_NAME
+    if not hasattr(AttentionBackendEnum, "register"):  # vLLM 0.24: the one CUSTOM slot
+        from vllm.v1.attention.backends.registry import register_backend
+
+        register_backend(AttentionBackendEnum.CUSTOM, _BACKEND_PATH)
+        BACKEND_NAME = "CUSTOM"
+        return
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         AttentionBackendEnum.register(BACKEND_NAME, _BACKEND_PATH)
 
@@ -95,10 +102,10 @@ class ParityAttentionMetadataBuilder(AttentionMetadataBuilder[ParityAttentionMet
         ctx_len = int(seq_lens.max()) if num_reqs else 0
         pos = torch.arange(ctx_len)
         bs = self.block_size
-        blocks = block_table[:, pos // bs].to(torch.int64)
+        blocks = block_table[:, pos // bs].to(device="cpu", dtype=torch.int64)
         slots = blocks * bs + pos % bs
         # Positions past a request's end point at slot 0: read, then masked by the kernel.
-        ctx_slots = torch.where(pos.unsqueeze(0) < seq_lens.unsqueeze(1), slots, 0)
+        ctx_slots = torch.where((pos.unsqueeze(0) < seq_lens.unsqueeze(1)).to(slots.device), slots, 0)
 
         return ParityAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,

@@ -9,8 +9,7 @@
 # dependencies the machine lacks (docs/gpu.md says how they were made). Each stage has its own
 # time limit and log; a failing stage does not stop the next. STAGES=tests,bench,trainer,vllm,check
 # picks stages (vllm: the import, check: the parity check); DEADLINE=SECONDS caps the whole run;
-# C_PIECES="a b" names the pieces of vLLM's core extension; the check needs rollout/attention.py
-# patched for vLLM 0.24 first (scripts/gpu_patch_rollout.sh, on a scratch copy only).
+# C_PIECES="a b" names the pieces of vLLM's core extension.
 set -u
 OUT_DIR=${1:-bench_results/gpu}
 WHEELS=${2:-.gpu/wheels}
