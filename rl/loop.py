@@ -89,6 +89,7 @@ class Run:
         from rl.cluster import start_ray
 
         self.cfg = cfg
+        self.packed_adapter: tuple = (None, {})  # (object ref, its tensors) of the last adapter
         n = cfg.rollout.num_workers
         start_ray(cfg.ray, cfg.run_dir, num_cpus_needed=n + 1)
         try:
@@ -149,17 +150,24 @@ class Run:
         merged in, the way other frameworks hand a LoRA policy to vLLM."""
         import ray
 
+        from rollout.wire import unpack_tensors
+
         cfg = self.cfg
         scaling = ray.get(self.trainer.lora_scaling.remote()) or 1.0
         if cfg.lora.enabled and cfg.parity:
-            return "adapter", ray.get(self.trainer.rollout_tensors.remote()), scaling
+            # Packed by the trainer: the workers read this very object from the store, unless
+            # a hook replaces a tensor (see make_sync); the hooks see views of it.
+            ref = self.trainer.rollout_packed.remote()
+            tensors = unpack_tensors(*ray.get(ref))
+            self.packed_adapter = (ref, tensors)
+            return "adapter", tensors, scaling
         source = self.trainer.rollout_tensors if cfg.parity else self.trainer.merged_weights
         return "full", ray.get(source.remote()), scaling
 
     def resync_worker(self, index: int) -> None:
         import ray
 
-        from rollout.worker import pack_tensors
+        from rollout.wire import pack_tensors
 
         kind, tensors, scaling = self.policy_tensors()
         worker, packed = self.workers[index], pack_tensors(tensors)
@@ -188,10 +196,12 @@ def make_sync(run: Run, cfg: Config, probe: list[list[int]]):
     import ray
 
     from rl.sync import ParityProbeHook, WeightSync, build_hooks
-    from rollout.worker import pack_tensors
+    from rollout.wire import pack_tensors
 
     def push_adapter(tensors, scaling, checksums):
-        ref = ray.put(pack_tensors(tensors))  # one buffer in the object store, read by every worker
+        ref, sent = run.packed_adapter
+        if ref is None or tensors.keys() != sent.keys() or any(tensors[k] is not v for k, v in sent.items()):
+            ref = ray.put(pack_tensors(tensors))  # a hook changed the tensors: pack them again
         return ray.get([w.sync_adapter.remote(ref, scaling, checksums) for w in run.workers])
 
     def push_full(bucket, checksums):

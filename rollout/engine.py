@@ -25,6 +25,7 @@ model holds, for the caller to compare with what it sent. They run on the worker
 from __future__ import annotations
 
 import json
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -130,6 +131,9 @@ class ParityWorkerExtension:
 
     def kimi_rl_set_adapter(self, payload: Tensors | bytes, scaling: float) -> None:
         self._kimi_rl_parity_model().set_adapter(_unpack(payload), scaling)
+
+    def kimi_rl_set_adapter_packed(self, flat, index, scaling: float) -> None:
+        self._kimi_rl_parity_model().set_adapter_packed(flat, index, scaling)
 
     def kimi_rl_clear_adapter(self) -> None:
         self._kimi_rl_parity_model().clear_adapter()
@@ -330,6 +334,26 @@ class RolloutEngine:
         # nothing that would be refused.
         adapter_pairs(self.spec, _TORCH_DTYPES[self.dtype], tensors, scaling)
         self._rpc("kimi_rl_set_adapter", self._pack(tensors), float(scaling))
+
+    def set_adapter_packed(self, flat, index, scaling: float) -> None:
+        """set_adapter from the sync wire format (rollout.wire.pack_tensors): one flat buffer
+        and its index. Checked like set_adapter the first time a layout arrives; after that a
+        sync is one copy into the buffer the model computes from."""
+        self._require_parity("set_adapter_packed")
+        index = tuple(index)
+        if not math.isfinite(scaling):
+            raise ValueError(f"scaling must be finite, got {scaling}")
+        if index != getattr(self, "_checked_index", None):
+            # As in set_adapter: refuse a bad adapter here, before the worker sees it (across
+            # processes vLLM turns a worker's exception into a bare one). Once per layout.
+            from rollout.llama import adapter_pairs
+            from rollout.wire import unpack_tensors
+
+            adapter_pairs(self.spec, _TORCH_DTYPES[self.dtype], unpack_tensors(flat, index), scaling)
+            self._checked_index = index
+        if self.multiprocess:  # vLLM's IPC carries bytes, not arrays
+            flat = bytes(memoryview(flat)) if not isinstance(flat, bytes) else flat
+        self._rpc("kimi_rl_set_adapter_packed", flat, index, float(scaling))
 
     def clear_adapter(self) -> None:
         """Back to the base model, bitwise."""

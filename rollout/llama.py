@@ -40,6 +40,7 @@ from parity.compare import tensor_checksum
 from parity.lora import FUSED_PARTS, TARGETS, Pair, fused_delta, part_shapes, peft_key
 from parity.model_spec import ModelSpec
 from rollout.attention import ParityAttentionBackend
+from rollout.wire import Index, as_bytes_tensor, unpack_tensors
 
 
 class _Weight(nn.Module):
@@ -303,6 +304,7 @@ class ParityLlamaForCausalLM(nn.Module):
         config = model_config.hf_config.to_dict()
         config["architectures"] = [self.hf_architecture]
         self.spec = ModelSpec.from_hf_config(config)
+        self._packed: tuple[torch.Tensor, Index] | None = None  # see set_adapter_packed
         self._check_spec(self.spec)
         self.dtype = model_config.dtype
         self.config = model_config.hf_config
@@ -444,13 +446,37 @@ class ParityLlamaForCausalLM(nn.Module):
         (parity.lora.peft_key), in the model dtype; `scaling` = alpha / rank. Everything is
         checked before anything changes, so a bad adapter leaves the held one in place."""
         pairs = adapter_pairs(self.spec, self.dtype, tensors, scaling)
+        self._packed = None  # the held tensors are no longer views of a packed buffer
         with torch.no_grad():
             for i, linear in self._fused_linears():
                 mine = {t: p for (layer, t), p in pairs.items() if layer == i and t in linear.out_features}
                 linear.hold(mine, float(scaling))
 
+    def set_adapter_packed(self, flat, index: Index, scaling: float) -> None:
+        """set_adapter for the sync wire format (rollout.wire): the adapter as one byte buffer
+        plus an index. The model then holds one buffer in the same layout, every A and B a view
+        into it, so a later sync with the same index is a single copy of the bytes."""
+        incoming = as_bytes_tensor(flat)
+        # Across processes the index arrives as lists; compare and view with tuples.
+        index = tuple((n, d, tuple(shape), o, b) for n, d, shape, o, b in index)
+        held = self._packed
+        if held is not None and held[1] == index and held[0].numel() == incoming.numel():
+            if not math.isfinite(scaling):
+                raise ValueError(f"scaling must be finite, got {scaling}")
+            held[0].copy_(incoming)
+            for _, linear in self._fused_linears():
+                linear.scaling = float(scaling)
+            return
+        buf = incoming.clone()
+        pairs = adapter_pairs(self.spec, self.dtype, unpack_tensors(buf, index), scaling)
+        for i, linear in self._fused_linears():
+            linear.pairs = {t: p for (layer, t), p in pairs.items() if layer == i and t in linear.out_features}
+            linear.scaling = float(scaling)
+        self._packed = (buf, index)
+
     def clear_adapter(self) -> None:
         """Drop the adapter: every linear takes the base path again."""
+        self._packed = None
         for _, linear in self._fused_linears():
             linear.hold({}, 0.0)
 

@@ -9,41 +9,12 @@ worker), so a resumed run samples exactly what the uninterrupted run sampled.
 from __future__ import annotations
 
 import os
-import warnings
 
 import numpy as np
 import torch
 
 from rollout.engine import RolloutEngine
-
-# The wire format of a sync: every tensor's bytes in one flat buffer plus an index. Ray moves
-# one numpy buffer through its object store without copying it per tensor (a dict of hundreds
-# of tensors would be pickled one by one), and the worker reads the tensors back as views.
-Index = list[tuple[str, str, tuple[int, ...], int, int]]  # name, dtype, shape, offset, nbytes
-
-
-def pack_tensors(tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, Index]:
-    index: Index = []
-    offset = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        index.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset += -(-nbytes // 64) * 64  # every tensor starts aligned, so views need no copy
-    flat = torch.empty(offset, dtype=torch.uint8)
-    for (_, _, _, start, nbytes), t in zip(index, tensors.values(), strict=True):
-        flat[start : start + nbytes] = t.detach().contiguous().view(-1).view(torch.uint8)
-    return flat.numpy(), index
-
-
-def unpack_tensors(flat: np.ndarray, index: Index) -> dict[str, torch.Tensor]:
-    """Views into `flat` (read-only memory from the object store: the engine copies them)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable tensor": we only read
-        buf = torch.from_numpy(flat)
-    return {
-        name: buf[start : start + nbytes].view(getattr(torch, dtype)).view(shape)
-        for name, dtype, shape, start, nbytes in index
-    }
+from rollout.wire import Index, unpack_tensors
 
 
 def _set_threads() -> None:
@@ -84,13 +55,13 @@ class RolloutWorker:
     def sync_adapter(
         self, packed: tuple[np.ndarray, Index], scaling: float, checksums: bool = True
     ) -> dict[str, str]:
-        """Hold this adapter (pack_tensors form) from now on; returns the checksums of what the
+        """Hold this adapter (rollout.wire form) from now on; returns the checksums of what the
         model now holds (or {} with checksums=False: hashing costs more than the copy)."""
-        self.engine.set_adapter(unpack_tensors(*packed), scaling)
+        self.engine.set_adapter_packed(*packed, scaling)
         return self.engine.adapter_checksums() if checksums else {}
 
     def sync_weights(self, packed: tuple[np.ndarray, Index], checksums: bool = True) -> dict[str, str]:
-        """Full-weight sync of one bucket (pack_tensors form); returns the checksums of the
+        """Full-weight sync of one bucket (rollout.wire form); returns the checksums of the
         tensors it now holds under the bucket's names."""
         bucket = unpack_tensors(*packed)
         self.engine.update_weights(bucket)

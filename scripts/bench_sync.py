@@ -56,7 +56,8 @@ def main() -> None:
     from rl.cluster import start_ray
     from rl.config import RayConfig
     from rollout.engine import RolloutEngine
-    from rollout.worker import RolloutWorker, pack_tensors
+    from rollout.wire import pack_tensors
+    from rollout.worker import RolloutWorker
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2", help="smollm2 or a checkpoint directory")
@@ -90,7 +91,10 @@ def main() -> None:
         adapter = _adapter(spec, rank, dtype, rank)
         mb = sum(t.numel() * t.element_size() for t in adapter.values()) / 2**20
         ms = _median_ms(lambda a=adapter: engine.set_adapter(a, scaling), args.repeats)
-        results.append({"what": "adapter set_adapter (in-process copy)", "rank": rank, "mb": mb, "ms": ms})
+        results.append({"what": "set_adapter (dict of tensors, in-process)", "rank": rank, "mb": mb, "ms": ms})
+        packed = pack_tensors(adapter)
+        ms = _median_ms(lambda p=packed: engine.set_adapter_packed(*p, scaling), args.repeats)
+        results.append({"what": "set_adapter_packed (one buffer, in-process)", "rank": rank, "mb": mb, "ms": ms})
     engine.clear_adapter()
     total = sum(t.numel() * t.element_size() for t in weights.values())
     full_ms = _median_ms(lambda: engine.update_weights(weights), max(3, args.repeats // 4))
@@ -117,8 +121,15 @@ def main() -> None:
         def push(a=adapter):
             ray.get(worker.sync_adapter.remote(ray.put(pack_tensors(a)), scaling, checksums=False))
 
-        results.append({"what": "adapter sync via Ray actor", "rank": rank, "mb": mb,
+        results.append({"what": "pack + object store + Ray actor + copy", "rank": rank, "mb": mb,
                         "ms": _median_ms(push, args.repeats)})
+        ref = ray.put(pack_tensors(adapter))  # what the loop does: the trainer packs, once
+
+        def push_packed(r=ref):
+            ray.get(worker.sync_adapter.remote(r, scaling, checksums=False))
+
+        results.append({"what": "object store + Ray actor + copy (packed by trainer)", "rank": rank,
+                        "mb": mb, "ms": _median_ms(push_packed, args.repeats)})
     ray.get(worker.close.remote())
     ray.shutdown()
 

@@ -157,6 +157,32 @@ def test_resync_after_a_training_step(case):
         load_peft_state_dict(case.trainer, saved)
 
 
+def test_packed_sync_rollout_equals_trainer(case):
+    """The sync wire format (one flat buffer + index, what the training loop sends): parity and
+    checksums on the first sync of a layout and on a re-sync into the held buffer; a
+    dict-of-tensors set_adapter afterwards still works."""
+    from rollout.wire import pack_tensors
+    from trainer.lora import load_peft_state_dict, peft_state_dict, rollout_tensors
+
+    saved = {k: v.clone() for k, v in peft_state_dict(case.trainer).items()}
+    try:
+        for seed in (4, 5):  # first layout, then the same layout with new values
+            randomize_adapter(case.trainer, seed=seed, std=0.05)
+            tensors = rollout_tensors(case.trainer)
+            case.engine.set_adapter_packed(*pack_tensors(tensors), case.scaling)
+            assert case.engine.adapter_checksums() == {k: sha256(v) for k, v in tensors.items()}
+            assert_rollout_equals_trainer(case)
+        bad = dict(tensors)
+        name = next(iter(bad))
+        bad[name] = bad[name].float() if bad[name].dtype != torch.float32 else bad[name].double()
+        with pytest.raises(ValueError):
+            case.engine.set_adapter_packed(*pack_tensors(bad), case.scaling)
+    finally:
+        load_peft_state_dict(case.trainer, saved)
+    push_adapter(case)
+    assert_rollout_equals_trainer(case)
+
+
 def test_clear_adapter_restores_base(case):
     push_adapter(case)
     case.engine.clear_adapter()

@@ -32,6 +32,13 @@ class TrainerWorker:
     def rollout_tensors(self) -> dict[str, torch.Tensor]:
         return self.policy.rollout_tensors()
 
+    def rollout_packed(self):
+        """rollout_tensors in the sync wire format (rollout.wire): one flat buffer + index,
+        packed here so the tensors cross the object store once, as one buffer."""
+        from rollout.wire import pack_tensors
+
+        return pack_tensors(self.policy.rollout_tensors())
+
     def merged_weights(self) -> dict[str, torch.Tensor]:
         """Full HF weights with the adapter merged in (W + scaling * B @ A, in fp32, then cast):
         what a stock vLLM engine gets when parity is off — the usual way frameworks hand a
