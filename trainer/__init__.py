@@ -1,7 +1,8 @@
 """The Megatron-core side of kimi-rl: a GPTModel built from an HF checkpoint with the parity
 kernels plugged in through a layer spec, HF <-> Megatron weight conversion, the CPU shims that
-megatron-core 0.16.1 needs (one module), and the function that scores token sequences into
-per-token log-probs. Nothing here imports vLLM."""
+megatron-core 0.16.1 needs (one module), the function that scores token sequences into
+per-token log-probs, LoRA, the PPO / GRPO / RLOO step, checkpoints, and the Ray trainer
+worker. Nothing here imports vLLM."""
 
 import warnings
 
