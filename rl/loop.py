@@ -161,7 +161,7 @@ class Run:
             tensors = unpack_tensors(*ray.get(ref))
             self.packed_adapter = (ref, tensors)
             return "adapter", tensors, scaling
-        source = self.trainer.rollout_tensors if cfg.parity else self.trainer.merged_weights
+        source = self.trainer.rollout_params if cfg.parity else self.trainer.merged_weights
         return "full", ray.get(source.remote()), scaling
 
     def resync_worker(self, index: int) -> None:

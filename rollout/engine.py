@@ -135,6 +135,12 @@ class ParityWorkerExtension:
     def kimi_rl_set_adapter_packed(self, flat, index, scaling: float) -> None:
         self._kimi_rl_parity_model().set_adapter_packed(flat, index, scaling)
 
+    def kimi_rl_update_params_packed(self, flat, index) -> None:
+        self._kimi_rl_parity_model().update_params_packed(flat, index)
+
+    def kimi_rl_param_checksums(self) -> dict[str, str]:
+        return self._kimi_rl_parity_model().param_checksums()
+
     def kimi_rl_clear_adapter(self) -> None:
         self._kimi_rl_parity_model().clear_adapter()
 
@@ -374,6 +380,19 @@ class RolloutEngine:
 
             check_hf_weights(self.spec, named)
         self._rpc("kimi_rl_update_weights", self._pack(named))
+
+    def update_params_packed(self, flat, index) -> None:
+        """Full-weight sync of a parity engine from the wire format (rollout.wire), by the
+        rollout model's parameter names in its fused layouts: a copy per parameter."""
+        self._require_parity("update_params_packed")
+        if self.multiprocess:  # vLLM's IPC carries bytes, not arrays
+            flat = bytes(memoryview(flat)) if not isinstance(flat, bytes) else flat
+        self._rpc("kimi_rl_update_params_packed", flat, tuple(index))
+
+    def param_checksums(self) -> dict[str, str]:
+        """{rollout parameter name: sha256 hex}, the names update_params_packed takes."""
+        self._require_parity("param_checksums")
+        return self._rpc("kimi_rl_param_checksums")
 
     def weight_checksums(self) -> dict[str, str]:
         """{HF checkpoint name: sha256 hex of the weight the rollout model holds}."""

@@ -427,6 +427,29 @@ class ParityLlamaForCausalLM(nn.Module):
         if not s.tie_word_embeddings:
             yield "lm_head.weight", params["lm_head.weight"]
 
+    def update_params_packed(self, flat, index: Index) -> None:
+        """Full-weight sync in the wire format, by this model's own parameter names and fused
+        layouts (what the parity trainer holds, trainer.convert.megatron_to_rollout): one copy
+        per parameter, no repacking. Everything is checked before anything is written."""
+        params = dict(self.named_parameters())
+        tensors = unpack_tensors(flat, tuple((n, d, tuple(sh), o, b) for n, d, sh, o, b in index))
+        for name, tensor in tensors.items():
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unknown parameter {name!r}")
+            if param.shape != tensor.shape or param.dtype != tensor.dtype:
+                raise ValueError(
+                    f"{name}: {tensor.dtype} {tuple(tensor.shape)}, the model holds "
+                    f"{param.dtype} {tuple(param.shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)
+
+    def param_checksums(self) -> dict[str, str]:
+        """sha256 of every parameter, by this model's parameter name (fused layouts)."""
+        return {name: tensor_checksum(p) for name, p in self.named_parameters()}
+
     def weight_checksums(self) -> dict[str, str]:
         """sha256 of every held weight, by HF checkpoint name."""
         return {name: tensor_checksum(tensor) for name, tensor in self.hf_weights()}

@@ -62,13 +62,16 @@ class RolloutWorker:
 
     def sync_weights(self, packed: tuple[np.ndarray, Index], checksums: bool = True) -> dict[str, str]:
         """Full-weight sync of one bucket (rollout.wire form); returns the checksums of the
-        tensors it now holds under the bucket's names."""
-        bucket = unpack_tensors(*packed)
-        self.engine.update_weights(bucket)
-        if not checksums or not self.engine.parity:
+        tensors it now holds under the bucket's names. A parity engine takes its own fused
+        parameters (a copy each); a stock engine takes HF names through vLLM's reload."""
+        if not self.engine.parity:
+            self.engine.update_weights(unpack_tensors(*packed))
             return {}  # stock vLLM repacks weights for its kernels: nothing to checksum
-        held = self.engine.weight_checksums()
-        return {name: held[name] for name in bucket if name in held}
+        self.engine.update_params_packed(*packed)
+        if not checksums:
+            return {}
+        held = self.engine.param_checksums()
+        return {name: held[name] for name, *_ in packed[1] if name in held}
 
     def close(self) -> None:
         self.engine.close()

@@ -6,6 +6,8 @@ Layouts: Megatron's linear_qkv rows are grouped per KV head and linear_fc1 is [g
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from parity.layouts import pack_gate_up, pack_qkv, unpack_gate_up, unpack_qkv
@@ -60,4 +62,39 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, to
     out["model.norm.weight"] = mg["decoder.final_layernorm.weight"]
     if not spec.tie_word_embeddings:  # tied checkpoints store no lm_head (as HF saves them)
         out["lm_head.weight"] = mg["output_layer.weight"]
+    return out
+
+
+# Megatron names -> the rollout parity model's parameter names. Both sides hold the same fused
+# tensors (QKV grouped per KV head, [gate; up]), so a full-weight sync needs no repacking.
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_ROLLOUT_NAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def megatron_to_rollout(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parity Megatron model's weights under the rollout parity model's parameter names."""
+    out = {}
+    for name, tensor in mg.items():
+        if name.endswith("_extra_state"):
+            continue
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = tensor
+        elif name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = tensor
+        elif name == "output_layer.weight":
+            out["lm_head.weight"] = tensor
+        else:
+            m = _LAYER.match(name)
+            if m is None or m[2] not in _ROLLOUT_NAMES:
+                raise ValueError(f"no rollout parameter for Megatron weight {name!r}")
+            out[f"model.layers.{m[1]}.{_ROLLOUT_NAMES[m[2]]}"] = tensor
     return out

@@ -39,6 +39,14 @@ class TrainerWorker:
 
         return pack_tensors(self.policy.rollout_tensors())
 
+    def rollout_params(self) -> dict[str, torch.Tensor]:
+        """Full weights (no LoRA) under the rollout parity model's parameter names, in the
+        fused layouts both sides hold: a full-weight sync copies them without repacking."""
+        from trainer.convert import megatron_to_rollout
+
+        state = {k: v.detach() for k, v in self.policy.model.state_dict().items() if torch.is_tensor(v)}
+        return {k: v.contiguous() for k, v in megatron_to_rollout(state).items()}
+
     def merged_weights(self) -> dict[str, torch.Tensor]:
         """Full HF weights with the adapter merged in (W + scaling * B @ A, in fp32, then cast):
         what a stock vLLM engine gets when parity is off — the usual way frameworks hand a
