@@ -2,7 +2,8 @@
 
 After every optimizer step the driver calls `WeightSync.sync(step, tensors, ...)` with what the
 rollout workers must hold: the LoRA adapter (peft names, model dtype) or, without LoRA, the full
-HF-named weights. The sync runs
+weights (the rollout parity model's parameter names and fused layouts; HF names for a stock
+engine when parity is off). The sync runs
 
     for hook in hooks: hook.before_sync(event)      # may observe or replace event.tensors
     push event.tensors to every worker, in memory  # adapter: one message; full: buckets
