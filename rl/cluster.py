@@ -10,9 +10,10 @@ from pathlib import Path
 
 from rl.config import RayConfig
 
-# Ray puts a unix socket path under its temp dir; Linux caps those at 107 bytes, so a deep
-# run_dir is swapped for a short directory under the system temp dir (named in the log).
-_MAX_TEMP_DIR = 60
+# Ray puts unix sockets at <temp_dir>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store
+# (~64 more bytes); Linux caps socket paths at 107 bytes, so a deep run_dir is swapped for a
+# short directory under the system temp dir.
+_MAX_TEMP_DIR = 36
 
 
 def ray_temp_dir(cfg: RayConfig, run_dir: str | Path) -> str:

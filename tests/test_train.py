@@ -222,3 +222,14 @@ def test_full_weights_flaky_reward_and_a_dying_worker(model_factory, tmp_path):
     assert "step 2: rollout worker 0 died" in issues
     ckpt = run_dir / "checkpoints" / "step_000003" / "model"
     assert any(ckpt.glob("*.safetensors"))
+
+
+def test_ray_temp_dir_stays_short_enough_for_unix_sockets(tmp_path):
+    """Ray's socket paths live ~64 bytes below its temp dir and Linux caps them at 107 bytes:
+    a deep run_dir gets a short temp dir instead."""
+    from rl.cluster import ray_temp_dir
+    from rl.config import RayConfig
+
+    deep = tmp_path / ("d" * 60) / "runs" / "quickstart-20261203-082813"
+    path = ray_temp_dir(RayConfig(), deep)
+    assert len(path) + 64 <= 107 and Path(path).is_dir()
