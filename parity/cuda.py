@@ -392,24 +392,12 @@ def attention_forward(
 # --------------------------------------------------------------------------------------------
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, weight):
-        ctx.save_for_backward(rows, weight)
-        return linear_forward(rows, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rows, weight = ctx.saved_tensors
-        grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
-        return grad_rows, grad_weight
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias): the parity GEMM on CUDA (see `_linear_kernel`)."""
+    from parity.kernels import InvariantLinear
+
     k = x.shape[-1]
-    out = _Linear.apply(x.reshape(-1, k), weight)
+    out = InvariantLinear.apply(x.reshape(-1, k), weight, linear_forward)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])

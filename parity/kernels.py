@@ -94,7 +94,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.is_cuda:
         return _cuda().linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        out = _Linear.apply(x, weight)
+        out = InvariantLinear.apply(x, weight, _linear_tiles)
     else:
         out = _linear_tiles(x, weight)
     return out if bias is None else out + bias
@@ -113,11 +113,15 @@ def _linear_tiles(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-class _Linear(torch.autograd.Function):
+class InvariantLinear(torch.autograd.Function):
+    """A linear whose forward is an invariant kernel (`forward_fn(x, weight)`) and whose
+    gradients are plain GEMMs (they need only be correct). Shared by the CPU tiles here and
+    the CUDA kernel in parity/cuda.py."""
+
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, forward_fn):
         ctx.save_for_backward(x, weight)
-        return _linear_tiles(x, weight)
+        return forward_fn(x, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -126,7 +130,7 @@ class _Linear(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return grad_x, grad_w
+        return grad_x, grad_w, None
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
