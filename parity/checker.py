@@ -20,6 +20,8 @@ import torch
 from parity.compare import compare_logprobs
 from rl.errors import UserError
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 BUILTIN_PROMPTS = [
     "The quick brown fox",
     "Question: what is 12 + 7? Answer:",
@@ -48,6 +50,28 @@ class CheckArgs:
     seed: int
     report: Path | None
     max_num_batched_tokens: int | None
+    tensor_parallel_size: int = 1
+    adapter: Path | None = None  # a peft LoRA adapter directory, applied on both sides
+
+
+def load_adapter(path: Path) -> tuple[dict[str, torch.Tensor], int, float, list[str]]:
+    """A peft adapter directory (adapter_model.safetensors + adapter_config.json, as the
+    trainer's checkpoints and peft write them): (tensors by peft name, rank, alpha, targets)."""
+    from safetensors.torch import load_file
+
+    config_path, weights_path = path / "adapter_config.json", path / "adapter_model.safetensors"
+    for f in (config_path, weights_path):
+        if not f.is_file():
+            raise UserError(f"--adapter: {path} has no {f.name} (not a peft LoRA adapter directory)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{config_path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    for key in ("r", "lora_alpha", "target_modules"):
+        if key not in config:
+            raise UserError(f"{config_path}: no {key!r} entry")
+    tensors = {k: v.float() for k, v in load_file(str(weights_path)).items()}
+    return tensors, int(config["r"]), float(config["lora_alpha"]), sorted(config["target_modules"])
 
 
 def add_parity_commands(subparsers) -> None:
@@ -66,6 +90,14 @@ def add_parity_commands(subparsers) -> None:
     check.add_argument(
         "--max-num-batched-tokens", type=int, default=None,
         help="vLLM scheduler token budget per step; small values force chunked prefill",
+    )
+    check.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="TP degree of both sides: vLLM workers and Megatron ranks (gloo), default 1",
+    )
+    check.add_argument(
+        "--adapter", help="peft LoRA adapter directory (e.g. RUN_DIR/checkpoints/step_N/adapter):"
+        " both sides compute with it",
     )
     check.set_defaults(func=run_check_command)
 
@@ -127,6 +159,22 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
     prompts = Path(ns.prompts) if ns.prompts else None
     if prompts is not None:
         load_prompt_file(prompts)  # fail on a bad line before any engine starts
+    tp_size = getattr(ns, "tensor_parallel_size", 1)
+    if tp_size < 1:
+        raise UserError(f"--tensor-parallel-size must be >= 1, got {tp_size}")
+    if tp_size > 1:
+        from parity.model_spec import ModelSpec
+        from parity.tp import check_tp
+
+        try:
+            check_tp(ModelSpec.from_dir(model), tp_size)
+        except ValueError as e:
+            raise UserError(f"--tensor-parallel-size: {e}") from None
+    adapter = Path(ns.adapter) if getattr(ns, "adapter", None) else None
+    if adapter is not None:
+        if ns.parity != "on":
+            raise UserError("--adapter needs --parity on (the parity models hold adapters in memory)")
+        load_adapter(adapter)  # fail on a bad adapter before any engine starts
     report = Path(ns.report) if ns.report else None
     if report is not None and report.exists() and not report.is_dir():
         raise UserError(f"--report: {report} exists and is not a directory")
@@ -134,7 +182,8 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         model=model, dtype=ns.dtype, prompts=prompts, num_prompts=ns.num_prompts,
         max_tokens=ns.max_tokens, batch_sizes=_parse_batch_sizes(ns.batch_sizes),
         parity=ns.parity == "on", seed=ns.seed, report=report,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_num_batched_tokens=ns.max_num_batched_tokens, tensor_parallel_size=tp_size,
+        adapter=adapter,
     )
 
 
@@ -179,11 +228,12 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
     from rich.console import Console
     from rich.progress import Progress
 
-    from parity.model_spec import ModelSpec
+    from parity.model_spec import load_spec
     from rollout.engine import RolloutEngine
 
     console = console or Console(stderr=True)
-    spec = ModelSpec.from_dir(args.model)
+    spec = load_spec(args.model)
+    adapter = load_adapter(args.adapter) if args.adapter else None
     prompts = prompt_token_ids(args)
     too_long = max(len(p) for p in prompts) + args.max_tokens
     if too_long > spec.max_position_embeddings:
@@ -204,7 +254,12 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
             max_model_len=min(spec.max_position_embeddings, too_long + 1),
             max_num_seqs=max(args.batch_sizes),
             max_num_batched_tokens=args.max_num_batched_tokens,
+            tensor_parallel_size=args.tensor_parallel_size,
         ) as engine:
+            if adapter is not None:
+                tensors, lora_rank, alpha, _ = adapter
+                # The trainer computes with its fp32 masters cast to the model dtype: send that.
+                engine.set_adapter({k: v.to(_DTYPES[args.dtype]) for k, v in tensors.items()}, alpha / lora_rank)
             plan = [(bs, idx) for bs in args.batch_sizes for idx in batches_for(len(prompts), bs)]
             progress.update(task, description="sampling in vLLM", total=len(plan), completed=0)
             for bs, idx in plan:
@@ -219,19 +274,27 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
     from trainer.model import load_model
 
     t1 = time.perf_counter()
-    init_megatron(seed=args.seed)
-    model = load_model(args.model, args.dtype, parity=args.parity).eval()
     completions = [c for bs in args.batch_sizes for c in samples[bs]]
-    train_logprobs = []
-    with torch.no_grad(), Progress(console=console, transient=True) as progress:
-        task = progress.add_task("re-scoring in Megatron", total=len(completions))
-        step = 8
-        for i in range(0, len(completions), step):
-            chunk = completions[i : i + step]
-            train_logprobs += sequence_logprobs(
-                model, [c.prompt_ids + c.token_ids for c in chunk], [len(c.prompt_ids) for c in chunk]
-            )
-            progress.advance(task, len(chunk))
+    if args.tensor_parallel_size > 1:
+        train_logprobs = score_tensor_parallel(
+            args, [c.prompt_ids + c.token_ids for c in completions], [len(c.prompt_ids) for c in completions],
+            adapter,
+        )
+    else:
+        init_megatron(seed=args.seed)
+        model = load_model(args.model, args.dtype, parity=args.parity).eval()
+        if adapter is not None:
+            _attach_adapter(model, spec, adapter)
+        train_logprobs = []
+        with torch.no_grad(), Progress(console=console, transient=True) as progress:
+            task = progress.add_task("re-scoring in Megatron", total=len(completions))
+            step = 8
+            for i in range(0, len(completions), step):
+                chunk = completions[i : i + step]
+                train_logprobs += sequence_logprobs(
+                    model, [c.prompt_ids + c.token_ids for c in chunk], [len(c.prompt_ids) for c in chunk]
+                )
+                progress.advance(task, len(chunk))
     train_seconds = time.perf_counter() - t1
 
     per_bs, offset = {}, 0
@@ -251,12 +314,79 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "batch_sizes": args.batch_sizes,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "adapter": str(args.adapter) if args.adapter else None,
         **total.to_dict(),
         "passed": total.all_equal,
         "per_batch_size": per_bs,
         "seconds": {"rollout": round(rollout_seconds, 2), "train": round(train_seconds, 2)},
     }
     return CheckResult(report, completions, train_logprobs)
+
+
+def _attach_adapter(model, spec, adapter) -> None:
+    from trainer.lora import apply_lora, load_peft_state_dict
+
+    tensors, lora_rank, alpha, targets = adapter
+    apply_lora(model, spec, lora_rank, alpha, list(targets))
+    load_peft_state_dict(model, tensors)
+
+
+def _score_rank(
+    rank: int, size: int, port: int, model_dir: str, dtype: str, parity: bool, seed: int,
+    sequences: list[list[int]], starts: list[int], out_path: str, adapter=None,
+) -> None:
+    """One Megatron tensor-parallel rank of score_tensor_parallel (a spawned process)."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    # One share of the cores per rank, as vLLM binds its TP workers (rollout.engine).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    import torch.distributed as dist
+
+    from trainer.logprobs import sequence_logprobs
+    from trainer.megatron_patches import init_megatron
+    from trainer.model import load_model
+
+    init_megatron(tp_size=size, seed=seed)
+    model = load_model(model_dir, dtype, parity=parity, tp_size=size).eval()
+    if adapter is not None:  # replicated on every rank
+        from parity.model_spec import load_spec
+
+        _attach_adapter(model, load_spec(model_dir), adapter)
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(sequences), 8):  # the TP=1 path's grouping
+            out += sequence_logprobs(model, sequences[i : i + 8], starts[i : i + 8])
+    if rank == 0:
+        torch.save(out, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def score_tensor_parallel(
+    args: CheckArgs, sequences: list[list[int]], starts: list[int], adapter=None
+) -> list[torch.Tensor]:
+    """Re-score with Megatron at TP = args.tensor_parallel_size: that many processes (gloo,
+    torch.multiprocessing), every rank scoring every sequence; rank 0's log-probs come back
+    (the logits are all-gathered, so every rank holds the same). `adapter`, optional:
+    (peft tensors, rank, alpha, targets), a LoRA adapter attached on every rank."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from trainer.megatron_patches import free_port
+
+    size = args.tensor_parallel_size
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "logprobs.pt")
+        mp.spawn(
+            _score_rank, nprocs=size, join=True,
+            args=(size, free_port(), str(args.model), args.dtype, args.parity, args.seed,
+                  sequences, starts, out_path, adapter),
+        )
+        return torch.load(out_path)
 
 
 def print_table(report: dict, console) -> None:

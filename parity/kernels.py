@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,11 @@ POINTWISE_CHUNK = 16384
 KV_BLOCK = 64
 # torch splits a single-output reduction across threads above this size (two-pass reduction).
 _TORCH_GRAIN = 32768
+# KIMI_RL_INVARIANT_KERNELS=0 swaps the invariant forms below for the plain torch ops (F.linear,
+# fn(x), sum, dense attention) in every process that reads it. For benchmarks only: it measures
+# what batch invariance costs on a model that has no stock engine (kimi-mini); log-probs then
+# depend on batch composition again.
+INVARIANT = os.environ.get("KIMI_RL_INVARIANT_KERNELS", "1") != "0"
 
 
 def _cuda():
@@ -59,6 +65,8 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     """
     if x.is_cuda:
         return _cuda().pointwise(fn, x)
+    if not INVARIANT:
+        return fn(x)
     flat = x.reshape(-1)
     n = flat.numel()
     padded = -(-n // POINTWISE_CHUNK) * POINTWISE_CHUNK
@@ -78,6 +86,8 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
     """
     if x.is_cuda:
         return _cuda().row_sum(x)
+    if not INVARIANT:
+        return x.sum(-1)
     assert x.shape[-1] < _TORCH_GRAIN, "row_sum rows must stay below torch's grain size"
     return x.contiguous().sum(-1)
 
@@ -93,6 +103,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if x.is_cuda:
         return _cuda().linear(x, weight, bias)
+    if not INVARIANT:
+        return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         out = InvariantLinear.apply(x, weight, _linear_tiles)
     else:
@@ -332,6 +344,8 @@ def attention(
     """
     if q.is_cuda:
         return _cuda().attention(q, k, v, q_seq, q_pos, scale)
+    if not INVARIANT:
+        return _attention_reference(q, k, v, q_seq, q_pos, scale)
     return RecomputeAttention.apply(q, k, v, q_seq, q_pos, scale, _attention_forward, _attention_reference)
 
 

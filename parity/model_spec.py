@@ -58,3 +58,97 @@ class ModelSpec:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelSpec:
         return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+KIMI_ARCHITECTURE = "KimiMiniForCausalLM"
+LAYER_TYPES = ("kda", "mla")
+
+
+@dataclass(frozen=True)
+class KimiSpec:
+    """kimi-mini: a hybrid of KDA (gated delta-rule linear attention) and MLA layers whose keys a
+    sparse indexer pre-selects, every layer with a MoE feed-forward (routed + shared experts).
+    Field names follow the HF config.json keys (DeepSeek / Kimi-Linear spellings)."""
+
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]  # per layer: "kda" | "mla"
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # KDA
+    kda_num_heads: int
+    kda_head_dim: int  # dk = dv
+    kda_conv_size: int  # short causal depthwise conv over q, k, v
+    # MLA
+    num_attention_heads: int
+    kv_lora_rank: int  # the cached latent c_kv
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # the shared RoPE key k_pe, cached
+    v_head_dim: int
+    # sparse-attention indexer (one shared index key per token, cached)
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    # MoE
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+
+    arch = "kimi_mini"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def mla_cache_width(self) -> int:
+        """Values cached per token by an MLA layer: latent + RoPE key + index key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
+
+    @property
+    def kda_conv_channels(self) -> int:
+        return 3 * self.kda_num_heads * self.kda_head_dim
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> KimiSpec:
+        arch_name = (config.get("architectures") or [""])[0]
+        if arch_name != KIMI_ARCHITECTURE:
+            raise ValueError(f"not a kimi-mini config: architecture {arch_name!r}")
+        layer_types = tuple(config["layer_types"])
+        bad = [t for t in layer_types if t not in LAYER_TYPES]
+        if bad or len(layer_types) != config["num_hidden_layers"]:
+            raise ValueError(
+                f"layer_types must list {config['num_hidden_layers']} of {LAYER_TYPES}, got {layer_types}"
+            )
+        fields = {f: config[f] for f in cls.__dataclass_fields__ if f not in ("layer_types",)}
+        spec = cls(layer_types=layer_types, **fields)
+        if not 0 < spec.num_experts_per_tok <= spec.n_routed_experts:
+            raise ValueError("num_experts_per_tok must be in 1..n_routed_experts")
+        if spec.index_topk < 1:
+            raise ValueError("index_topk must be >= 1")
+        if spec.qk_rope_head_dim % 2 or spec.v_head_dim > spec.qk_head_dim:
+            raise ValueError("qk_rope_head_dim must be even and v_head_dim <= qk head dim")
+        return spec
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> KimiSpec:
+        return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def load_spec(model_dir: str | Path) -> ModelSpec | KimiSpec:
+    """The spec of a model directory, dense (Llama / Qwen3) or kimi-mini."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if (config.get("architectures") or [""])[0] == KIMI_ARCHITECTURE:
+        return KimiSpec.from_hf_config(config)
+    return ModelSpec.from_hf_config(config)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import json
 import math
 import operator
 import os
@@ -28,9 +29,16 @@ import yaml
 
 from rl.errors import UserError
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_MODULES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "kv_a_proj_with_mqa", "kv_b_proj",  # kimi-mini's MLA projections only
+)
+_KIMI_ONLY_MODULES = ("kv_a_proj_with_mqa", "kv_b_proj")
 BUILTIN_HOOKS = ("checksum", "timing", "parity_probe")
-LoraModule = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LoraModule = Literal[
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "kv_a_proj_with_mqa", "kv_b_proj",
+]
 
 # "package.module:attr.sub": user code is imported only from a name spelled out like this.
 _CALLABLE_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -93,7 +101,9 @@ class LoraConfig:
     rank: int = _field(8, ge=1)
     alpha: float = _field(16.0, gt=0)
     dropout: float = 0.0  # must stay 0.0: see _check
-    target_modules: list[LoraModule] = field(default_factory=lambda: list(LORA_MODULES))
+    # Default: every projection of the dense models (on kimi-mini: those of KDA, MLA's q / o,
+    # and the routed and shared experts' FFNs); add kv_a_proj_with_mqa / kv_b_proj for MLA.
+    target_modules: list[LoraModule] = field(default_factory=lambda: list(LORA_MODULES[:7]))
 
 
 @dataclass
@@ -380,8 +390,37 @@ def _check(cfg: Config, sources: _Sources) -> None:
     if cfg.lora.dropout != 0.0:
         raise err("lora.dropout", "must be 0.0: dropout would make the rollout and the trainer "
                   "compute different functions, so their log-probs could not match")
+    tp_rollout, tp_trainer = cfg.rollout.tensor_parallel_size, cfg.trainer.tensor_parallel_size
+    if cfg.parity and tp_rollout != tp_trainer:
+        # Name the key the file (or an override) sets, so the message carries its line.
+        sizes = {"rollout.tensor_parallel_size": tp_rollout, "trainer.tensor_parallel_size": tp_trainer}
+        key = "rollout.tensor_parallel_size"
+        if key not in sources.by_key:
+            key = "trainer.tensor_parallel_size"
+        (other,) = set(sizes) - {key}
+        raise err(key, f"is {sizes[key]} but {other} is {sizes[other]}: with parity on both "
+                  "sides must shard the same way (the cross-rank sums differ in order otherwise, "
+                  "so their log-probs could not match)")
+    for key, size in (("rollout.tensor_parallel_size", tp_rollout),
+                      ("trainer.tensor_parallel_size", tp_trainer)):
+        if size > 1:
+            raise err(key, f"is {size}: kimi-rl train runs tensor_parallel_size 1 only (TP=2 "
+                      "parity is checked by `kimi-rl parity check --tensor-parallel-size 2`)")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise err("lora.target_modules", f"is empty; pick from {', '.join(LORA_MODULES)}")
+    try:
+        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or [""]
+    except (OSError, ValueError, AttributeError):
+        architectures = [""]  # validate_model_dir reports a broken config.json with its line
+    if architectures[0] == "KimiMiniForCausalLM":
+        if not cfg.parity:
+            raise err("parity", "must be true for kimi-mini: its KDA / MLA / MoE layers exist only "
+                      "as parity implementations (there is no stock vLLM / Megatron version)")
+    elif cfg.lora.enabled:
+        for module in cfg.lora.target_modules:
+            if module in _KIMI_ONLY_MODULES:
+                raise err("lora.target_modules", f"{module!r} exists in kimi-mini's MLA layers only, "
+                          f"not in {architectures[0]}")
     if cfg.algorithm.is_correction != "none" and cfg.parity:
         raise err("algorithm.is_correction", f"{cfg.algorithm.is_correction!r} needs the top-level "
                   "parity: false (with parity the two sides' log-probs match: nothing to correct)")

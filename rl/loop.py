@@ -129,9 +129,9 @@ class Run:
         ray.get(self.trainer.lora_scaling.remote())  # wait until the trainer is up (or raise)
 
     def _max_model_len(self) -> int:
-        from parity.model_spec import ModelSpec
+        from parity.model_spec import load_spec
 
-        return ModelSpec.from_dir(self.cfg.model.path).max_position_embeddings
+        return load_spec(self.cfg.model.path).max_position_embeddings
 
     def generate(self, prompts: list[list[int]], step: int) -> list[dict]:
         import ray

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -25,7 +26,7 @@ from rl.errors import UserError
 if TYPE_CHECKING:  # transformers takes seconds to import; only the functions that need it do
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "kimi-mini": "KimiMiniForCausalLM"}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 # Shapes of the random-init presets. head_dim is written explicitly so that code reading
@@ -44,6 +45,27 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 TOKENIZER_VOCAB = {"tiny": 512, "small": 2048}
+
+# kimi-mini (parity.model_spec.KimiSpec): 3 KDA : 1 MLA, every layer MoE with a shared expert.
+# index_topk is small on purpose, so that the indexer really selects at test lengths.
+KIMI_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=128, layer_types=["kda", "kda", "kda", "mla"],
+        kda_num_heads=4, kda_head_dim=32, kda_conv_size=4,
+        num_attention_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
+        max_position_embeddings=2048, initializer_range=0.1,
+    ),
+    "small": dict(
+        hidden_size=256, layer_types=["kda", "kda", "kda", "mla"] * 2,
+        kda_num_heads=8, kda_head_dim=32, kda_conv_size=4,
+        num_attention_heads=8, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=32,
+        n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, n_shared_experts=1,
+        max_position_embeddings=4096, initializer_range=0.05,
+    ),
+}
 ROPE_THETA = 10000.0
 RMS_NORM_EPS = 1e-6
 VOCAB_MULTIPLE = 64  # embedding rows padded so the vocab splits evenly under tensor parallelism
@@ -316,6 +338,70 @@ def model_config(arch: str, preset: str, vocab_size: int) -> PretrainedConfig:
     return Qwen3Config(**common, tie_word_embeddings=False)
 
 
+def kimi_config(preset: str, vocab_size: int) -> dict[str, Any]:
+    """config.json of a kimi-mini `preset` (no transformers class: vLLM's plugin registers one)."""
+    _check_choice("preset", preset, KIMI_PRESETS)
+    eos = SPECIAL_TOKENS.index(EOS)
+    shape = KIMI_PRESETS[preset]
+    return dict(
+        shape, architectures=[ARCHITECTURES["kimi-mini"]], model_type="kimi_mini",
+        vocab_size=vocab_size, num_hidden_layers=len(shape["layer_types"]), rope_theta=ROPE_THETA,
+        rms_norm_eps=RMS_NORM_EPS, tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos,
+        pad_token_id=eos,
+    )
+
+
+def kimi_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Random-init kimi-mini weights (fp32) by HF name, drawn from `seed` alone."""
+    import torch
+
+    from parity.kimi import hf_weight_shapes
+    from parity.model_spec import KimiSpec
+
+    spec = KimiSpec.from_hf_config(config)
+    std = config["initializer_range"]
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in hf_weight_shapes(spec).items():
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            out[name] = torch.ones(shape)
+        elif name.endswith("A_log"):  # decay rates exp(A_log) in [1, 16], as Mamba / KDA init them
+            out[name] = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+        elif name.endswith("dt_bias"):  # softplus(dt_bias) = dt in [1e-3, 1e-1], log-uniform
+            dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+            out[name] = dt + torch.log(-torch.expm1(-dt))
+        elif name.endswith("conv1d.weight"):
+            out[name] = torch.empty(shape).normal_(0.0, 0.5, generator=gen)
+        else:
+            out[name] = torch.empty(shape).normal_(0.0, std, generator=gen)
+    return out
+
+
+def _init_kimi(preset: str, seed: int, out: Path, dtype: str, force: bool) -> Path:
+    from safetensors.torch import save_file
+
+    _check_choice("preset", preset, KIMI_PRESETS)
+    torch_dtype = _torch_dtype(dtype)
+    _check_out_dir(out, force)
+    max_len = KIMI_PRESETS[preset]["max_position_embeddings"]
+    tokenizer = build_tokenizer(TOKENIZER_VOCAB[preset], max_len)
+    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    config = kimi_config(preset, vocab_size)
+    weights = kimi_weights(config, seed)
+    with _atomic_dir(out, force) as tmp, _no_hf_progress_bars():
+        save_file(
+            {k: v.to(torch_dtype).contiguous() for k, v in weights.items()},
+            str(tmp / "model.safetensors"), metadata={"format": "pt"},
+        )
+        config.update(dtype=DTYPES[dtype], torch_dtype=DTYPES[dtype])
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        eos = [tokenizer.convert_tokens_to_ids(IM_END), config["eos_token_id"]]
+        generation = dict(bos_token_id=config["bos_token_id"], eos_token_id=eos, pad_token_id=config["pad_token_id"])
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        tokenizer.save_pretrained(tmp, save_jinja_files=False)
+    return out
+
+
 def init_model(
     arch: str, preset: str, seed: int, out_dir: str | Path, dtype: str = "fp32", *, force: bool = False
 ) -> Path:
@@ -327,6 +413,8 @@ def init_model(
 
     out = Path(out_dir)
     _check_choice("arch", arch, ARCHITECTURES)
+    if arch == "kimi-mini":
+        return _init_kimi(preset, seed, out, dtype, force)
     _check_choice("preset", preset, PRESETS)
     torch_dtype = _torch_dtype(dtype)
     _check_out_dir(out, force)  # before any work, so a bad OUT fails fast

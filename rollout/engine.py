@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from parity.model_spec import ModelSpec
+from parity.model_spec import KimiSpec, load_spec
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -122,10 +122,11 @@ class ParityWorkerExtension:
     VLLM_ALLOW_INSECURE_SERIALIZATION=1 (pickle on its whole IPC channel)."""
 
     def _kimi_rl_parity_model(self):
+        from rollout.kimi import ParityKimiMiniForCausalLM
         from rollout.llama import ParityLlamaForCausalLM
 
         model = self.model_runner.get_model()
-        if not isinstance(model, ParityLlamaForCausalLM):
+        if not isinstance(model, ParityLlamaForCausalLM | ParityKimiMiniForCausalLM):
             raise ValueError(f"needs a parity model, this engine runs {type(model).__name__}")
         return model
 
@@ -155,9 +156,26 @@ class ParityWorkerExtension:
     def kimi_rl_weight_checksums(self) -> dict[str, str]:
         return self._kimi_rl_parity_model().weight_checksums()
 
+    def kimi_rl_trace(self, on: bool) -> None:
+        self._kimi_rl_parity_model().set_trace(on)
+
+    def kimi_rl_take_trace(self) -> list[dict]:
+        return self._kimi_rl_parity_model().take_trace()
+
     def kimi_rl_reseed(self, seed: int) -> None:
         # Requests without a seed of their own sample from this process's default generator.
         torch.manual_seed(seed)
+
+
+def _checks(spec):
+    """The module whose adapter_pairs / check_hf_weights validate this spec's model."""
+    if isinstance(spec, KimiSpec):
+        from rollout import kimi
+
+        return kimi
+    from rollout import llama
+
+    return llama
 
 
 def _logprob_of(entry: dict, token_id: int) -> float:
@@ -178,6 +196,7 @@ class RolloutEngine:
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool = True,
         multiprocess: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -185,10 +204,30 @@ class RolloutEngine:
         self.dtype = dtype
         self.parity = parity
         self.multiprocess = multiprocess
-        self.spec = ModelSpec.from_dir(self.model_dir) if parity else None
+        self.spec = load_spec(self.model_dir) if parity else None
         # Small KV cache and both cores, unless the user chose otherwise.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        self.tensor_parallel_size = tensor_parallel_size
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if tensor_parallel_size > 1:
+            # TP workers are separate processes: in-process (UniProcExecutor) runs one worker.
+            if not multiprocess:
+                raise ValueError("tensor_parallel_size > 1 needs multiprocess=True")
+            if self.spec is not None:
+                from parity.tp import check_tp
+
+                check_tp(self.spec, tensor_parallel_size)
+            # vLLM's "auto" binding takes one NUMA node per rank; on one node, give each worker
+            # its own share of the allowed cores ("0|1" on 2 cores), unless the user chose.
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) >= tensor_parallel_size:
+                per = len(cpus) // tensor_parallel_size
+                groups = [cpus[r * per : (r + 1) * per] for r in range(tensor_parallel_size)]
+                os.environ.setdefault(
+                    "VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, g)) for g in groups)
+                )
 
         from vllm import LLM
 
@@ -227,6 +266,7 @@ class RolloutEngine:
                 enable_prefix_caching=False,
                 skip_tokenizer_init=not has_tokenizer,
                 worker_extension_cls=_WORKER_EXTENSION,
+                tensor_parallel_size=tensor_parallel_size,
                 **kwargs,
             )
         if not multiprocess:
@@ -310,7 +350,9 @@ class RolloutEngine:
     # --- weight sync ----------------------------------------------------------------------
 
     def _rpc(self, method: str, *args):
-        # One worker (no tensor/pipeline parallelism): its result.
+        # Every worker runs it (tensor parallelism: each applies its own shard of the full
+        # tensors sent; checksums are of the gathered full tensors, the same on every worker):
+        # the first worker's result.
         return self.llm.collective_rpc(method, args=args)[0]
 
     def _pack(self, tensors: Tensors) -> Tensors | bytes:
@@ -333,12 +375,10 @@ class RolloutEngine:
         peft name (parity.lora.peft_key) in the engine dtype, e.g.
         trainer.lora.rollout_tensors(model); `scaling` = alpha / rank."""
         self._require_parity("set_adapter")
-        from rollout.llama import adapter_pairs
-
         # The worker checks again; checking here first raises ValueError in this process
         # (across processes vLLM turns a worker's exception into a bare Exception) and sends
         # nothing that would be refused.
-        adapter_pairs(self.spec, _TORCH_DTYPES[self.dtype], tensors, scaling)
+        _checks(self.spec).adapter_pairs(self.spec, _TORCH_DTYPES[self.dtype], tensors, scaling)
         self._rpc("kimi_rl_set_adapter", self._pack(tensors), float(scaling))
 
     def set_adapter_packed(self, flat, index, scaling: float) -> None:
@@ -352,10 +392,9 @@ class RolloutEngine:
         if index != getattr(self, "_checked_index", None):
             # As in set_adapter: refuse a bad adapter here, before the worker sees it (across
             # processes vLLM turns a worker's exception into a bare one). Once per layout.
-            from rollout.llama import adapter_pairs
             from rollout.wire import unpack_tensors
 
-            adapter_pairs(self.spec, _TORCH_DTYPES[self.dtype], unpack_tensors(flat, index), scaling)
+            _checks(self.spec).adapter_pairs(self.spec, _TORCH_DTYPES[self.dtype], unpack_tensors(flat, index), scaling)
             self._checked_index = index
         if self.multiprocess:  # vLLM's IPC carries bytes, not arrays
             flat = bytes(memoryview(flat)) if not isinstance(flat, bytes) else flat
@@ -376,9 +415,7 @@ class RolloutEngine:
         reload; values are cast to the engine dtype as on a checkpoint load). Weights not
         named keep their values (vLLM logs them as not loaded)."""
         if self.parity:
-            from rollout.llama import check_hf_weights
-
-            check_hf_weights(self.spec, named)
+            _checks(self.spec).check_hf_weights(self.spec, named)
         self._rpc("kimi_rl_update_weights", self._pack(named))
 
     def update_params_packed(self, flat, index) -> None:
@@ -398,6 +435,20 @@ class RolloutEngine:
         """{HF checkpoint name: sha256 hex of the weight the rollout model holds}."""
         self._require_parity("weight_checksums")
         return self._rpc("kimi_rl_weight_checksums")
+
+    def trace(self, on: bool) -> None:
+        """kimi-mini parity engines: start (clearing) or stop recording each step's routing
+        (MoE experts, indexer selections); see rollout.kimi."""
+        self._require_parity("trace")
+        self._rpc("kimi_rl_trace", bool(on))
+
+    def take_trace(self) -> list[dict[str, torch.Tensor]]:
+        """What was recorded since the last take, per request (rollout.kimi.trace_by_request;
+        requests in order of their first step). In-process engines (tensors in rpc results)."""
+        from rollout.kimi import trace_by_request
+
+        self._require_parity("take_trace")
+        return trace_by_request(self._rpc("kimi_rl_take_trace"))
 
     # --- lifetime -------------------------------------------------------------------------
 

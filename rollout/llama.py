@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from parity import kernels, layouts
+from parity import kernels, layouts, tp
 from parity.compare import tensor_checksum
 from parity.lora import FUSED_PARTS, TARGETS, Pair, fused_delta, part_shapes, peft_key
 from parity.model_spec import ModelSpec
@@ -59,11 +59,23 @@ class _FusedLinear(_Weight):
     adapter is not part of the checkpoint.
     """
 
-    def __init__(self, fused: str, spec: ModelSpec, dtype: torch.dtype) -> None:
+    # Row-parallel under TP (the input is sharded, the partial products are summed across
+    # ranks); the others are column-parallel (the output is sharded). parity/tp.py.
+    ROW_PARALLEL = ("o", "down")
+
+    def __init__(
+        self, fused: str, spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         shapes = part_shapes(spec)
         parts = FUSED_PARTS[fused]
-        super().__init__(sum(shapes[n][1] for n in parts), shapes[parts[0]][0], dtype=dtype)
+        out, fan_in = sum(shapes[n][1] for n in parts), shapes[parts[0]][0]
+        if fused in self.ROW_PARALLEL:
+            fan_in //= tp_size
+        else:
+            out //= tp_size
+        super().__init__(out, fan_in, dtype=dtype)
         self.fused = fused
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.out_features = {n: shapes[n][1] for n in parts}
         self.num_kv_heads = spec.num_kv_heads
         self.pairs: dict[str, Pair] = {}  # HF target -> (A [r, in], B [out, r]), model dtype
@@ -91,23 +103,41 @@ class _FusedLinear(_Weight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = kernels.linear(x, self.weight)
+        if self.tp_size > 1 and self.fused in self.ROW_PARALLEL:
+            # The trainer's sum (trainer.layers._RankOrderedReduce): all-gather the partial
+            # products, add them in rank order in fp32, round once.
+            from vllm.distributed import tensor_model_parallel_all_gather
+
+            out = tp.rank_ordered_sum(tensor_model_parallel_all_gather(out.unsqueeze(0), dim=0), out.dtype)
         if not self.pairs:
             return out
+        # The adapter is replicated and sees the full input (parity/tp.py): a row-parallel
+        # input's shards are all-gathered (exact), a column-parallel delta is sliced.
+        if self.tp_size > 1 and self.fused in self.ROW_PARALLEL:
+            from vllm.distributed import tensor_model_parallel_all_gather
+
+            x = tensor_model_parallel_all_gather(x.contiguous(), dim=-1)
         # Non-empty pairs cover a part of this linear, so the delta is never None here.
-        return out + fused_delta(
-            self.fused, x, self.pairs, self.scaling, self.out_features, self.num_kv_heads
-        )
+        delta = fused_delta(self.fused, x, self.pairs, self.scaling, self.out_features, self.num_kv_heads)
+        if self.fused not in self.ROW_PARALLEL:
+            delta = tp.shard_delta_cols(delta, self.fused, self.tp_rank, self.tp_size)
+        return out + delta
 
 
 class ParityAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, cache_config, prefix: str) -> None:
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, cache_config, prefix: str,
+        tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
         from vllm.model_executor.layers.attention import Attention
 
         super().__init__()
         self.spec = spec
-        d, hq, hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
-        self.qkv_proj = _FusedLinear("qkv", spec, dtype)
-        self.o_proj = _FusedLinear("o", spec, dtype)
+        # This rank's heads: whole KV groups (parity/tp.py).
+        d, hq, hkv = spec.head_dim, spec.num_heads // tp_size, spec.num_kv_heads // tp_size
+        self.num_heads, self.num_kv_heads = hq, hkv
+        self.qkv_proj = _FusedLinear("qkv", spec, dtype, tp_rank, tp_size)
+        self.o_proj = _FusedLinear("o", spec, dtype, tp_rank, tp_size)
         if spec.qk_norm:
             self.q_norm = _Weight(d, dtype=dtype)
             self.k_norm = _Weight(d, dtype=dtype)
@@ -124,7 +154,7 @@ class ParityAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         s = self.spec
-        q, k, v = layouts.split_qkv(self.qkv_proj(h), s.num_heads, s.num_kv_heads, s.head_dim)
+        q, k, v = layouts.split_qkv(self.qkv_proj(h), self.num_heads, self.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q = kernels.rms_norm(q, self.q_norm.weight, s.rms_norm_eps)
             k = kernels.rms_norm(k, self.k_norm.weight, s.rms_norm_eps)
@@ -135,23 +165,28 @@ class ParityAttention(nn.Module):
 
 
 class ParityMLP(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.gate_up_proj = _FusedLinear("gate_up", spec, dtype)
-        self.down_proj = _FusedLinear("down", spec, dtype)
+        self.gate_up_proj = _FusedLinear("gate_up", spec, dtype, tp_rank, tp_size)
+        self.down_proj = _FusedLinear("down", spec, dtype, tp_rank, tp_size)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(h)))
 
 
 class ParityDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, cache_config, prefix: str) -> None:
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, cache_config, prefix: str,
+        tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
         super().__init__()
         self.eps = spec.rms_norm_eps
         self.input_layernorm = _Weight(spec.hidden_size, dtype=dtype)
-        self.self_attn = ParityAttention(spec, dtype, cache_config, f"{prefix}.self_attn")
+        self.self_attn = ParityAttention(
+            spec, dtype, cache_config, f"{prefix}.self_attn", tp_rank, tp_size
+        )
         self.post_attention_layernorm = _Weight(spec.hidden_size, dtype=dtype)
-        self.mlp = ParityMLP(spec, dtype)
+        self.mlp = ParityMLP(spec, dtype, tp_rank, tp_size)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         h = kernels.rms_norm(x, self.input_layernorm.weight, self.eps)
@@ -161,12 +196,16 @@ class ParityDecoderLayer(nn.Module):
 
 
 class ParityModel(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, cache_config, prefix: str) -> None:
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, cache_config, prefix: str,
+        tp_rank: int = 0, tp_size: int = 1,
+    ) -> None:
         super().__init__()
         self.spec = spec
+        # Replicated under TP: a lookup is exact whichever rank holds the row.
         self.embed_tokens = _Weight(spec.vocab_size, spec.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            ParityDecoderLayer(spec, dtype, cache_config, f"{prefix}.layers.{i}")
+            ParityDecoderLayer(spec, dtype, cache_config, f"{prefix}.layers.{i}", tp_rank, tp_size)
             for i in range(spec.num_layers)
         )
         self.norm = _Weight(spec.hidden_size, dtype=dtype)
@@ -295,23 +334,36 @@ class ParityLlamaForCausalLM(nn.Module):
     hf_architecture = "LlamaForCausalLM"
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+        from vllm.distributed import (
+            get_pp_group,
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
 
         super().__init__()
-        if get_tensor_model_parallel_world_size() != 1 or get_pp_group().world_size != 1:
-            raise NotImplementedError("the parity models run without tensor/pipeline parallelism")
+        if get_pp_group().world_size != 1:
+            raise NotImplementedError("the parity models run without pipeline parallelism")
+        # Tensor parallelism: this worker holds rank tp_rank's shards in the trainer's layouts
+        # (parity/tp.py); the caller always sends and receives full (TP=1-layout) tensors.
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
         model_config = vllm_config.model_config
         config = model_config.hf_config.to_dict()
         config["architectures"] = [self.hf_architecture]
         self.spec = ModelSpec.from_hf_config(config)
         self._packed: tuple[torch.Tensor, Index] | None = None  # see set_adapter_packed
         self._check_spec(self.spec)
+        tp.check_tp(self.spec, self.tp_size)
         self.dtype = model_config.dtype
         self.config = model_config.hf_config
         prefix = f"{prefix}.model" if prefix else "model"
-        self.model = ParityModel(self.spec, self.dtype, vllm_config.cache_config, prefix)
+        self.model = ParityModel(
+            self.spec, self.dtype, vllm_config.cache_config, prefix, self.tp_rank, self.tp_size
+        )
         if not self.spec.tie_word_embeddings:
-            self.lm_head = _Weight(self.spec.vocab_size, self.spec.hidden_size, dtype=self.dtype)
+            self.lm_head = _Weight(
+                self.spec.vocab_size // self.tp_size, self.spec.hidden_size, dtype=self.dtype
+            )
         self._pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
 
     def _check_spec(self, spec: ModelSpec) -> None:
@@ -340,7 +392,66 @@ class ParityLlamaForCausalLM(nn.Module):
         return self.lm_head.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(hidden_states, self.lm_head_weight())
+        weight = self.lm_head_weight()
+        if self.tp_size == 1:
+            return kernels.linear(hidden_states, weight)
+        # The trainer's vocab-parallel output layer: this rank's vocabulary rows (a view of the
+        # replicated tied embedding, or the held lm_head shard), logits all-gathered in rank order.
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        if self.spec.tie_word_embeddings:
+            weight = tp.shard_rows(weight, self.tp_rank, self.tp_size)
+        return tensor_model_parallel_all_gather(kernels.linear(hidden_states, weight), dim=-1)
+
+    # --- tensor parallelism: full tensors <-> this rank's shards ------------------------------
+
+    @staticmethod
+    def _shard_kind(name: str) -> str | None:
+        if name.endswith(("qkv_proj.weight", "lm_head.weight")):
+            return "rows"
+        if name.endswith("gate_up_proj.weight"):
+            return "gate_up"
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return "cols"
+        return None  # replicated
+
+    def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full (TP=1-layout) parameter tensor."""
+        kind = self._shard_kind(name) if self.tp_size > 1 else None
+        if kind == "rows":
+            return tp.shard_rows(full, self.tp_rank, self.tp_size)
+        if kind == "cols":
+            return tp.shard_cols(full, self.tp_rank, self.tp_size)
+        if kind == "gate_up":
+            return tp.shard_gate_up(full, self.tp_rank, self.tp_size)
+        return full
+
+    def _full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        kind = self._shard_kind(name) if self.tp_size > 1 else None
+        shape = list(param.shape)
+        if kind in ("rows", "gate_up"):
+            shape[0] *= self.tp_size
+        elif kind == "cols":
+            shape[1] *= self.tp_size
+        return tuple(shape)
+
+    def _full(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """The full tensor of a held parameter (an exact all-gather of the ranks' shards; a
+        collective: every worker runs it, as collective_rpc calls every worker)."""
+        kind = self._shard_kind(name) if self.tp_size > 1 else None
+        if kind is None:
+            return param
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        parts = list(tensor_model_parallel_all_gather(param.detach().unsqueeze(0), dim=0))
+        if kind == "gate_up":
+            return tp.unshard_gate_up(parts)
+        return torch.cat(parts, dim=0 if kind == "rows" else 1)
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """named_parameters() with every shard gathered back to the full tensor."""
+        for name, param in self.named_parameters():
+            yield name, self._full(name, param)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into the fused parameters (in place, so it also
@@ -353,6 +464,7 @@ class ParityLlamaForCausalLM(nn.Module):
 
         def put(name: str, tensor: torch.Tensor) -> None:
             param = params[name]
+            tensor = self._local(name, tensor)  # the rank's shard (TP), else the tensor itself
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
             # Through the parameter's weight_loader when vLLM installed one: its in-place reload
@@ -408,7 +520,7 @@ class ParityLlamaForCausalLM(nn.Module):
         """The held weights under their HF checkpoint names: the inverse of load_weights
         (fused tensors are unpacked, which moves bytes and changes none)."""
         s = self.spec
-        params = dict(self.named_parameters())
+        params = dict(self.full_parameters())
         yield "model.embed_tokens.weight", params["model.embed_tokens.weight"]
         for i in range(s.num_layers):
             base = f"model.layers.{i}."
@@ -430,25 +542,28 @@ class ParityLlamaForCausalLM(nn.Module):
     def update_params_packed(self, flat, index: Index) -> None:
         """Full-weight sync in the wire format, by this model's own parameter names and fused
         layouts (what the parity trainer holds, trainer.convert.megatron_to_rollout): one copy
-        per parameter, no repacking. Everything is checked before anything is written."""
+        per parameter, no repacking. Everything is checked before anything is written. Under
+        tensor parallelism the tensors are full (TP=1 layout) too: each worker copies its shard."""
         params = dict(self.named_parameters())
         tensors = unpack_tensors(flat, tuple((n, d, tuple(sh), o, b) for n, d, sh, o, b in index))
         for name, tensor in tensors.items():
             param = params.get(name)
             if param is None:
                 raise ValueError(f"unknown parameter {name!r}")
-            if param.shape != tensor.shape or param.dtype != tensor.dtype:
+            full_shape = self._full_shape(name, param)
+            if tuple(tensor.shape) != full_shape or param.dtype != tensor.dtype:
                 raise ValueError(
                     f"{name}: {tensor.dtype} {tuple(tensor.shape)}, the model holds "
-                    f"{param.dtype} {tuple(param.shape)}"
+                    f"{param.dtype} {full_shape}"
                 )
         with torch.no_grad():
             for name, tensor in tensors.items():
-                params[name].copy_(tensor)
+                params[name].copy_(self._local(name, tensor))
 
     def param_checksums(self) -> dict[str, str]:
-        """sha256 of every parameter, by this model's parameter name (fused layouts)."""
-        return {name: tensor_checksum(p) for name, p in self.named_parameters()}
+        """sha256 of every parameter, by this model's parameter name (fused layouts; full
+        tensors under TP)."""
+        return {name: tensor_checksum(p) for name, p in self.full_parameters()}
 
     def weight_checksums(self) -> dict[str, str]:
         """sha256 of every held weight, by HF checkpoint name."""

@@ -12,11 +12,13 @@ from __future__ import annotations
 PARITY_ARCHITECTURES = {
     "LlamaForCausalLM": "KimiRLParityLlamaForCausalLM",
     "Qwen3ForCausalLM": "KimiRLParityQwen3ForCausalLM",
+    "KimiMiniForCausalLM": "KimiRLParityKimiMiniForCausalLM",
 }
 
 _MODEL_CLASSES = {
     "KimiRLParityLlamaForCausalLM": "rollout.llama:ParityLlamaForCausalLM",
     "KimiRLParityQwen3ForCausalLM": "rollout.qwen3:ParityQwen3ForCausalLM",
+    "KimiRLParityKimiMiniForCausalLM": "rollout.kimi:ParityKimiMiniForCausalLM",
 }
 
 
@@ -28,3 +30,8 @@ def register() -> None:
     for arch, qualname in _MODEL_CLASSES.items():
         if arch not in supported:
             ModelRegistry.register_model(arch, qualname)
+    # kimi-mini's model_type is unknown to transformers; vLLM loads configs through AutoConfig
+    # (in the caller's process, before any EngineCore unpickles the config).
+    from rollout.kimi import register_config
+
+    register_config()

@@ -4,15 +4,23 @@ Rollout: tokens/s of vLLM with the parity model vs stock vLLM (same weights, pro
 max tokens, eager mode on both). Trainer: forward+backward seconds of the parity Megatron model
 vs stock Megatron (same weights and batch). Prints a table and writes JSON.
 
-    python scripts/bench_parity.py [--models tiny,smollm2] [--out bench_results/bench_parity.json]
+kimi-mini (`--models kimi`) has no stock engine on either side, so its baseline is the same
+model with the invariant kernels swapped for plain torch ops (KIMI_RL_INVARIANT_KERNELS=0:
+F.linear, unchunked pointwise, dense attention; the KDA recurrence and MoE loop stay). Its rows
+also give the cache bytes per token (MLA latent + RoPE key + index key) and the KDA state per
+request, next to a dense-attention layer of the same width.
+
+    python scripts/bench_parity.py [--models tiny,smollm2,kimi] [--out bench_results/bench_parity.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,13 +38,56 @@ def ensure_models(names: list[str], cache: Path) -> dict[str, tuple[Path, str]]:
             if not (path / "config.json").exists():
                 init_model(arch="llama", preset="tiny", seed=0, out_dir=path, dtype="fp32")
             out[name] = (path, "fp32")
+        elif name == "kimi":
+            if not (path / "config.json").exists():
+                init_model(arch="kimi-mini", preset="tiny", seed=0, out_dir=path, dtype="fp32")
+            out[name] = (path, "fp32")
         elif name == "smollm2":
             if not (path / "config.json").exists():
                 import_smollm2(path, dtype="bf16")
             out[name] = (path, "bf16")
         else:
-            raise SystemExit(f"unknown model {name!r} (tiny, smollm2)")
+            raise SystemExit(f"unknown model {name!r} (tiny, smollm2, kimi)")
     return out
+
+
+@contextmanager
+def invariant_kernels(on: bool):
+    """kimi-mini's baseline: the environment variable reaches engine processes started inside
+    the block; the module flag covers this process (the trainer)."""
+    from parity import kernels
+
+    old_env, old_flag = os.environ.get("KIMI_RL_INVARIANT_KERNELS"), kernels.INVARIANT
+    os.environ["KIMI_RL_INVARIANT_KERNELS"] = "1" if on else "0"
+    kernels.INVARIANT = on
+    try:
+        yield
+    finally:
+        kernels.INVARIANT = old_flag
+        if old_env is None:
+            os.environ.pop("KIMI_RL_INVARIANT_KERNELS")
+        else:
+            os.environ["KIMI_RL_INVARIANT_KERNELS"] = old_env
+
+
+def kimi_cache_bytes(path: Path, dtype: str) -> dict:
+    """What kimi-mini keeps per token and per request, next to a dense MHA layer of its width."""
+    from parity.model_spec import KimiSpec
+
+    spec = KimiSpec.from_dir(path)
+    elem = 4 if dtype == "fp32" else 2
+    kda = sum(t == "kda" for t in spec.layer_types)
+    mla = spec.num_layers - kda
+    kda_state = ((spec.kda_conv_size - 1) * spec.kda_conv_channels + spec.kda_num_heads * spec.kda_head_dim**2) * 4
+    return {
+        "mla_bytes_per_token_per_layer": spec.mla_cache_width * elem,
+        "dense_bytes_per_token_per_layer": 2 * spec.hidden_size * elem,
+        "kda_state_bytes_per_request_per_layer": kda_state,
+        "model_bytes_per_token": mla * spec.mla_cache_width * elem,
+        "model_bytes_per_request": kda * kda_state,
+        "dense_model_bytes_per_token": spec.num_layers * 2 * spec.hidden_size * elem,
+        "layers": {"kda": kda, "mla": mla},
+    }
 
 
 def bench_rollout(path: Path, dtype: str, parity: bool, batch: int, max_tokens: int, repeats: int) -> float:
@@ -94,16 +145,25 @@ def main() -> None:
     models = ensure_models(args.models.split(","), Path(args.cache))
     results = []
     for name, (path, dtype) in models.items():
-        stock = bench_rollout(path, dtype, False, args.batch, args.max_tokens, args.repeats)
+        if name == "kimi":
+            with invariant_kernels(False):
+                stock = bench_rollout(path, dtype, True, args.batch, args.max_tokens, args.repeats)
+        else:
+            stock = bench_rollout(path, dtype, False, args.batch, args.max_tokens, args.repeats)
         parity = bench_rollout(path, dtype, True, args.batch, args.max_tokens, args.repeats)
         results.append({
             "model": name, "dtype": dtype, "what": "rollout tokens/s",
             "stock": stock, "parity": parity, "slowdown": stock / parity, "target": 1.10,
             "batch": args.batch, "max_tokens": args.max_tokens,
+            "baseline": "invariant kernels off" if name == "kimi" else "stock vLLM",
         })
     init_megatron()
     for name, (path, dtype) in models.items():
-        stock = bench_trainer(path, dtype, False, args.train_batch, args.train_seq, args.repeats)
+        if name == "kimi":
+            with invariant_kernels(False):
+                stock = bench_trainer(path, dtype, True, args.train_batch, args.train_seq, args.repeats)
+        else:
+            stock = bench_trainer(path, dtype, False, args.train_batch, args.train_seq, args.repeats)
         parity = bench_trainer(path, dtype, True, args.train_batch, args.train_seq, args.repeats)
         results.append({
             "model": name, "dtype": dtype, "what": "trainer fwd+bwd s",
@@ -118,9 +178,21 @@ def main() -> None:
         table.add_row(r["model"], r["dtype"], r["what"], f"{r['stock']:.3f}", f"{r['parity']:.3f}",
                       f"{r['slowdown']:.2f}x", f"<= {r['target']:.2f}x")
     Console().print(table)
+    cache = {name: kimi_cache_bytes(path, dtype) for name, (path, dtype) in models.items() if name == "kimi"}
+    for name, c in cache.items():
+        cache_table = Table(title=f"{name}: cache per token / state per request (bytes)")
+        for col in ("", "kimi-mini", "dense attention, same width"):
+            cache_table.add_column(col, justify="right")
+        cache_table.add_row("per token, one attention layer", str(c["mla_bytes_per_token_per_layer"]),
+                            str(c["dense_bytes_per_token_per_layer"]))
+        cache_table.add_row("per token, whole model", str(c["model_bytes_per_token"]),
+                            str(c["dense_model_bytes_per_token"]))
+        cache_table.add_row("per request, KDA state (all KDA layers)", str(c["model_bytes_per_request"]), "0")
+        Console().print(cache_table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=2) + "\n")
+    out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results, "cache": cache},
+                              indent=2) + "\n")
     print(f"wrote {out}")
 
 

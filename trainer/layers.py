@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from parity import kernels
+from parity import kernels, tp
 
 
 def _parity_linear(input, weight, bias, allreduce_dgrad, tp_group, **_):
@@ -67,14 +70,62 @@ def with_lora_hook(linear: torch.nn.Module) -> torch.nn.Module:
     return linear
 
 
+class _RankOrderedReduce(torch.autograd.Function):
+    """The row-parallel cross-rank sum of parity.tp.rank_ordered_sum (all-gather the partials,
+    add them in rank order in fp32, round once), the rollout's exact sum. Backward is the
+    identity, as for Megatron's all-reduce: the output is replicated, so is its gradient."""
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        import torch.distributed as dist
+
+        partial = partial.contiguous()
+        parts = [torch.empty_like(partial) for _ in range(group.size())]
+        dist.all_gather(parts, partial, group=group)
+        return tp.rank_ordered_sum(parts, partial.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class ParityColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
     def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, tp_group=None, **kw):
         return _parity_linear(input, weight, bias, allreduce_dgrad, tp_group)
+
+    def forward(self, input_, *args, **kwargs):
+        adapter = self.active_adapter()
+        if self.tp_group.size() == 1 or adapter is None:
+            return super().forward(input_, *args, **kwargs)
+        # TP with an adapter: the replicated adapter's full delta on the (full) input, then the
+        # rank's columns in the shard layout (parity.tp): the TP=1 delta's bits.
+        out, bias = ColumnParallelLinear.forward(self, input_, *args, **kwargs)
+        delta = adapter.delta(copy_to_tensor_model_parallel_region(input_, group=self.tp_group))
+        if delta is None:
+            return out, bias
+        rank, size = self.tp_group.rank(), self.tp_group.size()
+        return out + tp.shard_delta_cols(delta, adapter.fused, rank, size), bias
 
 
 class ParityRowParallelLinear(_LoRAMixin, RowParallelLinear):
     def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, tp_group=None, **kw):
         return _parity_linear(input, weight, bias, allreduce_dgrad, tp_group)
+
+    def forward(self, input_):
+        if self.tp_group.size() == 1:
+            return super().forward(input_)
+        # TP: the rank's partial product, then the deterministic rank-ordered sum in place of
+        # Megatron's backend all-reduce (parity.tp explains why).
+        assert self.input_is_parallel and not self.sequence_parallel and self.bias is None
+        out = _RankOrderedReduce.apply(_parity_linear(input_, self.weight, None, False, None), self.tp_group)
+        adapter = self.active_adapter()
+        if adapter is not None:
+            # Replicated adapter on the full input (exact all-gather of the shards), added once.
+            full = gather_from_tensor_model_parallel_region(input_, group=self.tp_group)
+            delta = adapter.delta(full)
+            if delta is not None:
+                out = out + delta
+        return out, None
 
 
 class ParityRMSNorm(torch.nn.Module):

@@ -10,6 +10,10 @@ transformers + peft and by vLLM's --enable-lora.
 A linear can hold several named adapters ("slots", see trainer.layers) with one active at a
 time: the policy ("policy", active by default) and e.g. a PPO critic ("critic") that shares
 the frozen base. `adapter_active` switches slots for a forward.
+
+kimi-mini (a KimiSpec; trainer/kimi.py): adapters attach to each KimiLinear with a targeted
+part (targets from parity.kimi.LORA_TARGETS) and carry peft names from parity.kimi.peft_name;
+the functions here dispatch on the spec / model, the dense paths are unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from parity.lora import FUSED_PARTS, fused_delta, part_shapes, peft_key
-from parity.model_spec import ModelSpec
+from parity.model_spec import KimiSpec, ModelSpec
+from trainer import kimi as kimi_lib
 from trainer.layers import POLICY_ADAPTER, with_lora_hook
 
 # Megatron module (relative to a decoder layer) of each fused linear.
@@ -65,7 +70,7 @@ class LoRAAdapter(torch.nn.Module):
 
 
 def apply_lora(
-    model: GPTModel, spec: ModelSpec, rank: int, alpha: float, targets: list[str], seed: int = 0,
+    model: GPTModel, spec: ModelSpec | KimiSpec, rank: int, alpha: float, targets: list[str], seed: int = 0,
     name: str = POLICY_ADAPTER,
 ) -> None:
     """Freeze the base and attach adapters in slot `name` to every layer's fused linears
@@ -76,17 +81,27 @@ def apply_lora(
             p.requires_grad_(False)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    for layer in model.decoder.layers:
-        for fused, path in FUSED_MODULES.items():
-            if any(t in targets for t in FUSED_PARTS[fused]):
-                linear = with_lora_hook(layer.get_submodule(path))
-                if getattr(linear, "lora", None) is None:
-                    linear.lora = torch.nn.ModuleDict()
-                linear.lora[name] = LoRAAdapter(fused, targets, spec, rank, alpha)
+    if isinstance(spec, KimiSpec):  # kimi-mini: every KimiLinear with a targeted part
+        attach = [(linear, kimi_lib.KimiLoRAAdapter(linear, targets, rank, alpha))
+                  for _, linear in kimi_lib.adaptable_linears(model, targets)]
+    else:
+        attach = [
+            (with_lora_hook(layer.get_submodule(path)), LoRAAdapter(fused, targets, spec, rank, alpha))
+            for layer in model.decoder.layers
+            for fused, path in FUSED_MODULES.items()
+            if any(t in targets for t in FUSED_PARTS[fused])
+        ]
+    for linear, adapter in attach:
+        if getattr(linear, "lora", None) is None:
+            linear.lora = torch.nn.ModuleDict()
+        linear.lora[name] = adapter
     torch.random.set_rng_state(gen_state)
 
 
 def _lora_linears(model: GPTModel):
+    if kimi_lib.is_kimi(model):
+        yield from kimi_lib.lora_linears_of(model)
+        return
     for i, layer in enumerate(model.decoder.layers):
         for path in FUSED_MODULES.values():
             linear = layer.get_submodule(path)
@@ -135,9 +150,16 @@ def peft_state_dict(model: GPTModel, dtype: torch.dtype | None = None) -> dict[s
     for i, adapter in adapters(model):
         for name in adapter.names:
             a, b = adapter.lora_A[name].detach(), adapter.lora_B[name].detach()
-            out[peft_key(i, name, "A")] = a if dtype is None else a.to(dtype)
-            out[peft_key(i, name, "B")] = b if dtype is None else b.to(dtype)
+            out[_peft_key(i, adapter, name, "A")] = a if dtype is None else a.to(dtype)
+            out[_peft_key(i, adapter, name, "B")] = b if dtype is None else b.to(dtype)
     return out
+
+
+def _peft_key(layer: int, adapter: torch.nn.Module, name: str, which: str) -> str:
+    # kimi-mini adapters know their HF module paths (experts, MLA vs KDA projections).
+    if isinstance(adapter, kimi_lib.KimiLoRAAdapter):
+        return adapter.peft_key(name, which)
+    return peft_key(layer, name, which)
 
 
 def rollout_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
@@ -150,8 +172,8 @@ def load_peft_state_dict(model: GPTModel, tensors: dict[str, torch.Tensor]) -> N
     with torch.no_grad():
         for i, adapter in adapters(model):
             for name in adapter.names:
-                adapter.lora_A[name].copy_(tensors[peft_key(i, name, "A")])
-                adapter.lora_B[name].copy_(tensors[peft_key(i, name, "B")])
+                adapter.lora_A[name].copy_(tensors[_peft_key(i, adapter, name, "A")])
+                adapter.lora_B[name].copy_(tensors[_peft_key(i, adapter, name, "B")])
 
 
 def peft_config(rank: int, alpha: float, targets: list[str], base_model: str) -> dict:

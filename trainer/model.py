@@ -25,7 +25,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from safetensors.torch import load_file
 
 from parity import kernels
-from parity.model_spec import ModelSpec
+from parity.model_spec import KimiSpec, ModelSpec, load_spec
 from trainer.convert import hf_to_megatron
 from trainer.layers import (
     ParityColumnParallelLinear,
@@ -136,22 +136,42 @@ def build_gpt(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 
     return model
 
 
-def load_hf_weights(model: GPTModel, model_dir: str | Path, spec: ModelSpec) -> None:
+def load_hf_weights(model: GPTModel, model_dir: str | Path, spec: ModelSpec | KimiSpec) -> None:
     hf = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         hf.update(load_file(str(path)))
     dtype = next(model.parameters()).dtype
     state = {k: v.to(dtype) for k, v in hf_to_megatron(hf, spec).items()}
+    tp_size = model.config.tensor_model_parallel_size
+    if tp_size > 1:  # this rank's shards (parity/tp.py layouts)
+        from megatron.core import parallel_state
+
+        from trainer.convert import shard_megatron_state
+
+        state = shard_megatron_state(state, parallel_state.get_tensor_model_parallel_rank(), tp_size)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"weight mapping mismatch: missing={missing} unexpected={unexpected}")
 
 
-def load_model(model_dir: str | Path, dtype: str = "fp32", parity: bool = True) -> GPTModel:
-    """Megatron GPTModel with the checkpoint's weights (call trainer.megatron_patches.init_megatron first)."""
-    spec = ModelSpec.from_dir(model_dir)
-    model = build_gpt(spec, DTYPES[dtype], parity)
+def load_model(
+    model_dir: str | Path, dtype: str = "fp32", parity: bool = True, tp_size: int = 1
+) -> GPTModel:
+    """Megatron GPTModel with the checkpoint's weights (call trainer.megatron_patches.init_megatron first,
+    with the same tp_size; with tp_size > 1 each rank holds its shards, parity/tp.py).
+
+    kimi-mini (trainer/kimi.py) exists only as the parity model: its mixers have no stock
+    Megatron counterpart to serve as a baseline, so parity=False is refused."""
+    spec = load_spec(model_dir)
+    if isinstance(spec, KimiSpec):
+        if not parity:
+            raise ValueError("kimi-mini has no stock Megatron model: use parity=True")
+        from trainer.kimi import build_kimi_gpt
+
+        model = build_kimi_gpt(spec, DTYPES[dtype], tp_size)  # raises unless tp_size == 1
+    else:
+        model = build_gpt(spec, DTYPES[dtype], parity, tp_size)
     if torch.cuda.is_available():  # the parity kernels dispatch on the tensors' device
         model = model.cuda()
     load_hf_weights(model, model_dir, spec)

@@ -30,7 +30,7 @@ from megatron.core.models.gpt import GPTModel
 from torch import Tensor
 
 from parity import kernels
-from parity.model_spec import ModelSpec
+from parity.model_spec import load_spec
 from rl.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from rl.errors import UserError
 from rl.ppo import (
@@ -145,7 +145,7 @@ class PolicyTrainer:
         self.config = trainer or TrainerConfig()
         self.algorithm = algorithm or AlgorithmConfig()
         self._check_configs()
-        self.spec = ModelSpec.from_dir(model_dir)
+        self.spec = load_spec(model_dir)  # dense ModelSpec or KimiSpec (kimi-mini)
         self.model = load_model(model_dir, dtype, parity)
         targets = list(self.lora_config.target_modules)
         rank, alpha = self.lora_config.rank, self.lora_config.alpha

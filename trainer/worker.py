@@ -45,7 +45,7 @@ class TrainerWorker:
         from trainer.convert import megatron_to_rollout
 
         state = {k: v.detach() for k, v in self.policy.model.state_dict().items() if torch.is_tensor(v)}
-        return {k: v.contiguous() for k, v in megatron_to_rollout(state).items()}
+        return {k: v.contiguous() for k, v in megatron_to_rollout(state, self.policy.spec).items()}
 
     def merged_weights(self) -> dict[str, torch.Tensor]:
         """Full HF weights with the adapter merged in (W + scaling * B @ A, in fp32, then cast):

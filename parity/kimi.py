@@ -1,0 +1,352 @@
+"""kimi-mini math, shared by both engines: the KDA mixer, the MLA mixer with its sparse indexer,
+and the MoE feed-forward. The vLLM rollout model (rollout/kimi.py) and the Megatron trainer
+(trainer/kimi.py) call these very functions; each engine only supplies its parameters and the
+per-request context (the trainer: the whole sequence; vLLM: its caches and recurrent state).
+
+Modules passed in as `m` follow the HF checkpoint names (a linear is any callable submodule;
+engines add their LoRA delta inside it through `adapted_linear`):
+
+- KDA: q_proj k_proj v_proj f_a_proj f_b_proj b_proj g_proj o_proj, conv1d.weight [3HD, K],
+  dt_bias [HD], A_log [H], o_norm.weight [D].
+- MLA: q_proj kv_a_proj_with_mqa kv_b_proj o_proj, kv_a_layernorm.weight [C],
+  indexer.wq indexer.wk indexer.weights_proj.
+- MoE: gate.weight [E, h] (router), experts[e].gate_up_proj / down_proj,
+  shared_experts.gate_up_proj / down_proj ([gate; up] fused, as Megatron holds them).
+
+Why each piece is batch invariant and identical between decode and training:
+
+- KDA runs its recurrence token by token in both engines (the chunked WY form reorders sums).
+  A step is element-wise products plus `row_sum` over the contiguous dk axis of an fp32 state
+  laid out [H, dv, dk], so a row's bits depend only on its own values; training walks a whole
+  sequence with the same step that decode runs once. The short conv is a fixed-order sum of K
+  products over a window that the rollout side fills from its conv state.
+- The indexer scores each (query, key-block) pair with a fixed-shape `_entry_bmm` and reduces
+  over index heads with `row_sum`; top-k is a stable descending sort (ties: lower position
+  first) over positions 0..t, whatever the padded length.
+- MLA uses the non-absorbed form on both sides: the selected latents are expanded with
+  kv_b_proj (a row-wise invariant linear) and attended with `kernels.attention`, each query
+  over its own gathered context of <= index_topk keys in position order.
+- MoE routes with an fp32 router and a stable top-k; each expert runs on the rows routed to it
+  through the tiled linear (a row's result does not depend on how many rows share the call);
+  the weighted sum over the top-k slots runs in slot order in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from parity import kernels
+from parity.kernels import KV_BLOCK, _entry_bmm, pointwise, row_sum
+from parity.model_spec import KimiSpec
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+L2_EPS = 1e-6
+
+
+def adapted_linear(
+    x: torch.Tensor, weight: torch.Tensor, parts: Sequence[tuple[str, int]],
+    pairs: dict[str, Pair], scaling: float,
+) -> torch.Tensor:
+    """linear(x, W) plus the LoRA delta of each covered part (parts: (name, out size) in the
+    weight's row order; uncovered parts add exact zeros). Both engines' linears end here."""
+    out = kernels.linear(x, weight)
+    if not pairs:
+        return out
+    deltas = [
+        kernels.linear(kernels.linear(x, pairs[n][0]), pairs[n][1]) * scaling if n in pairs
+        else x.new_zeros(*x.shape[:-1], size)
+        for n, size in parts
+    ]
+    return out + (torch.cat(deltas, dim=-1) if len(deltas) > 1 else deltas[0])
+
+
+# --- KDA ------------------------------------------------------------------------------------------
+
+
+def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * pointwise(torch.rsqrt, row_sum(x * x) + L2_EPS).unsqueeze(-1)
+
+
+def _request_rows(lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens are grouped by request, in order: (request of each token, its index in the request,
+    offset of each request)."""
+    lens = torch.tensor(list(lengths), dtype=torch.int64)
+    offsets = torch.cumsum(lens, 0) - lens
+    req = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    return req, torch.arange(int(lens.sum())) - offsets[req], offsets
+
+
+def kda_recurrence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, lengths: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA (gated delta rule) recurrence over tokens grouped by request (`lengths`, in order):
+
+        S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
+
+    q, k [N, H, dk] (kda_mixer passes q already scaled by dk^-0.5 and both L2-normalised),
+    v [N, H, dv], alpha [N, H, dk] the per-channel decay exp(g) in (0, 1], beta [N, H], all fp32;
+    state [R, H, dv, dk] fp32: each request's S^T before its first token. Returns
+    (o [N, H, dv] fp32, new state [R, H, dv, dk]).
+
+    One token per request per step; S^T is [dv, dk] so that both S^T k and S^T q reduce over the
+    contiguous last axis with `row_sum`.
+    """
+    n, nh, dv = v.shape
+    num_reqs, max_len = len(lengths), max(lengths)
+    _, _, offsets = _request_rows(lengths)
+    lens = torch.tensor(list(lengths), dtype=torch.int64)
+    outs, rows_seen = [], []
+    for j in range(max_len):
+        active = (lens > j).nonzero().squeeze(1)
+        everyone = active.numel() == num_reqs
+        rows = offsets[active] + j
+        s = state if everyone else state[active]
+        s = s * alpha[rows].unsqueeze(2)
+        kk = k[rows].unsqueeze(2)  # [n, H, 1, dk]
+        u = beta[rows].unsqueeze(-1) * (v[rows] - row_sum(s * kk))  # [n, H, dv]
+        s = s + u.unsqueeze(-1) * kk
+        outs.append(row_sum(s * q[rows].unsqueeze(2)))
+        rows_seen.append(rows)
+        state = s if everyone else state.index_copy(0, active, s)
+    o = torch.zeros(n, nh, dv).index_put((torch.cat(rows_seen),), torch.cat(outs))
+    return o, state
+
+
+def kda_mixer(
+    m, spec: KimiSpec, h: torch.Tensor, lengths: Sequence[int], conv_state: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One KDA layer over tokens h [N, hidden] grouped by request (`lengths`, in order).
+
+    conv_state [R, K-1, 3HD] fp32: each request's last K-1 pre-conv q/k/v inputs (zeros for a
+    new sequence); state [R, H, dv, dk] fp32: each request's recurrent state S^T (zeros for a
+    new sequence). Returns (output [N, hidden] in h's dtype, new conv_state, new state).
+    """
+    n = h.shape[0]
+    nh, d, k_size = spec.kda_num_heads, spec.kda_head_dim, spec.kda_conv_size
+    num_reqs, max_len = len(lengths), max(lengths)
+    req, idx, _ = _request_rows(lengths)
+
+    # Short causal depthwise conv: window = [the request's K-1 earlier inputs; this chunk].
+    raw = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], dim=-1).float()  # [N, 3HD]
+    chunk = raw.new_zeros(num_reqs, max_len, raw.shape[-1])
+    chunk[req, idx] = raw
+    seq = torch.cat([conv_state, chunk], dim=1)  # [R, K-1+T, 3HD]
+    w = m.conv1d.weight.float()  # [3HD, K]
+    conv = seq[:, 0:max_len] * w[:, 0]
+    for j in range(1, k_size):
+        conv = conv + seq[:, j : j + max_len] * w[:, j]
+    lens = torch.tensor(list(lengths), dtype=torch.int64)
+    tail = lens.view(-1, 1) + torch.arange(k_size - 1)  # seq rows of each request's last K-1 inputs
+    new_conv_state = seq.gather(1, tail.unsqueeze(-1).expand(-1, -1, seq.shape[-1]))
+    x = pointwise(F.silu, conv[req, idx])  # [N, 3HD]
+    q, k, v = (t.reshape(n, nh, d) for t in x.split(nh * d, dim=-1))
+    q = _l2_normalize(q) * (d**-0.5)
+    k = _l2_normalize(k)
+
+    # Channel-wise decay (log space) and the per-head delta-rule step size.
+    f = m.f_b_proj(m.f_a_proj(h)).float() + m.dt_bias.float()
+    a = pointwise(torch.exp, m.A_log.float())  # [H]
+    g = -(a.view(1, nh, 1) * pointwise(F.softplus, f).view(n, nh, d))
+    alpha = pointwise(torch.exp, g)  # [N, H, dk]
+    beta = pointwise(torch.sigmoid, m.b_proj(h).float())  # [N, H]
+    o, state = kda_recurrence(q, k, v, alpha, beta, state, lengths)
+
+    # Per-head RMSNorm, sigmoid output gate, output projection.
+    o = kernels.rms_norm(o, m.o_norm.weight, spec.rms_norm_eps)
+    o = o * pointwise(torch.sigmoid, m.g_proj(h).float()).view(n, nh, d)
+    return m.o_proj(o.reshape(n, nh * d).to(h.dtype)), new_conv_state, state
+
+
+# --- MLA + indexer --------------------------------------------------------------------------------
+
+
+def mla_entries(
+    m, spec: KimiSpec, h: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token MLA inputs: (q [N, Hm, dn+dr] with RoPE on its last dr, cache entry
+    [N, kv_lora_rank + dr + index_head_dim] = [RMS-normed latent; RoPE key; index key] in h's
+    dtype, index queries [N, hI, dI] fp32, index head weights [N, hI] fp32)."""
+    n = h.shape[0]
+    hm, dn, dr, dc = spec.num_attention_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
+    table = kernels.rope_table(dr, spec.rope_theta, spec.max_position_embeddings)
+    q = m.q_proj(h).view(n, hm, dn + dr)
+    q = torch.cat([q[..., :dn], kernels.apply_rope(q[..., dn:], positions, table)], dim=-1)
+    kv = m.kv_a_proj_with_mqa(h)
+    latent = kernels.rms_norm(kv[:, :dc], m.kv_a_layernorm.weight, spec.rms_norm_eps)
+    k_pe = kernels.apply_rope(kv[:, dc:].reshape(n, 1, dr), positions, table).view(n, dr)
+    entry = torch.cat([latent.to(h.dtype), k_pe, m.indexer.wk(h)], dim=-1)
+    index_q = m.indexer.wq(h).view(n, spec.index_n_heads, spec.index_head_dim).float()
+    index_w = m.indexer.weights_proj(h).float()
+    return q, entry, index_q, index_w
+
+
+def indexer_topk(
+    spec: KimiSpec, index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor,
+    q_seq: torch.Tensor, q_pos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse indexer: I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over causal s, top-k.
+
+    index_k [R, L, dI]: each sequence's index keys at positions 0..L-1. Returns (selected
+    [N, topk] int64 positions in ascending order, padded with 0; count [N] = min(t + 1, topk)).
+    """
+    n, topk = index_q.shape[0], spec.index_topk
+    length = index_k.shape[1]
+    padded = max(-(-length // KV_BLOCK) * KV_BLOCK, topk)
+    kt = F.pad(index_k.float(), (0, 0, 0, padded - length)).transpose(1, 2).contiguous()  # [R, dI, Lp]
+    scores = torch.full((n, padded), -math.inf)
+    offsets = torch.arange(KV_BLOCK)
+    num_blocks = int(q_pos.max()) // KV_BLOCK + 1 if n else 0
+    for j in range(num_blocks):
+        start = j * KV_BLOCK
+        rows = torch.arange(n) if j == 0 else (q_pos >= start).nonzero().squeeze(1)
+        kb = kt[q_seq[rows], :, start : start + KV_BLOCK]  # [r, dI, B]
+        dots = _entry_bmm(index_q[rows], kb, rows.numel())  # [r, hI, B]
+        weighted = dots.clamp_min(0.0) * index_w[rows].unsqueeze(-1)
+        block = row_sum(weighted.transpose(1, 2))  # [r, B], summed over index heads
+        valid = (start + offsets).unsqueeze(0) <= q_pos[rows].unsqueeze(1)
+        scores[rows, start : start + KV_BLOCK] = block.masked_fill(~valid, -math.inf)
+    # Stable: equal scores keep position order. Positions past t score -inf and sort last.
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+    count = torch.clamp(q_pos + 1, max=topk)
+    rank = torch.arange(topk).unsqueeze(0)
+    best = torch.where(rank < count.unsqueeze(1), best, padded)  # unused ranks sort last
+    selected = torch.sort(best, dim=-1).values
+    return torch.where(rank < count.unsqueeze(1), selected, 0), count
+
+
+def mla_attend(
+    m, spec: KimiSpec, q: torch.Tensor, ctx: torch.Tensor, q_seq: torch.Tensor,
+    selected: torch.Tensor, count: torch.Tensor,
+) -> torch.Tensor:
+    """MLA over the indexer's positions. ctx [R, L, entry width]: each sequence's cache entries
+    (mla_entries) at positions 0..L-1. Returns the o_proj output [N, hidden]."""
+    n = q.shape[0]
+    hm, dn, dr, dc, dv = (
+        spec.num_attention_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim,
+        spec.kv_lora_rank, spec.v_head_dim,
+    )
+    chosen = ctx[q_seq.unsqueeze(1), selected]  # [N, topk, width]
+    kv = m.kv_b_proj(chosen[..., :dc]).view(n, -1, hm, dn + dv)
+    k_pe = chosen[..., dc : dc + dr].unsqueeze(2).expand(-1, -1, hm, -1)
+    k = torch.cat([kv[..., :dn], k_pe], dim=-1)
+    # kernels.attention takes one head size for q, k and v: pad v with zero columns.
+    v = F.pad(kv[..., dn:], (0, dn + dr - dv))
+    out = kernels.attention(
+        q, k, v, torch.arange(n), count - 1, kernels.attention_scale(dn + dr)
+    )[..., :dv]
+    return m.o_proj(out.reshape(n, hm * dv))
+
+
+# --- MoE ------------------------------------------------------------------------------------------
+
+
+def _ffn(expert, x: torch.Tensor) -> torch.Tensor:
+    return expert.down_proj(kernels.silu_and_mul(expert.gate_up_proj(x)))
+
+
+def route(spec: KimiSpec, router_weight: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [N, k] int64 in score order, normalised weights [N, k] fp32) for tokens h."""
+    logits = kernels.linear(h.float(), router_weight.float())  # [N, E], fp32 router
+    scores = pointwise(torch.sigmoid, logits)
+    experts = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : spec.num_experts_per_tok]
+    weights = scores.gather(1, experts)
+    return experts, weights / row_sum(weights).unsqueeze(-1)
+
+
+def moe(m, spec: KimiSpec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE feed-forward on tokens h [N, hidden]: (output [N, hidden], chosen experts [N, k])."""
+    experts, weights = route(spec, m.gate.weight, h)
+    routed = h.new_zeros(h.shape[0], spec.num_experts_per_tok, h.shape[-1])
+    for e in range(spec.n_routed_experts):
+        token, slot = (experts == e).nonzero(as_tuple=True)
+        if token.numel():
+            routed = routed.index_put((token, slot), _ffn(m.experts[e], h[token]))
+    acc = _ffn(m.shared_experts, h).float()
+    for slot in range(spec.num_experts_per_tok):
+        acc = acc + routed[:, slot].float() * weights[:, slot : slot + 1]
+    return acc.to(h.dtype), experts
+
+
+# --- checkpoint names -----------------------------------------------------------------------------
+
+
+def hf_weight_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
+    """Every weight of a kimi-mini checkpoint by HF name, with its shape."""
+    h = spec.hidden_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = (spec.vocab_size, h)
+    nh, d = spec.kda_num_heads, spec.kda_head_dim
+    hm = spec.num_attention_heads
+    for i, kind in enumerate(spec.layer_types):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        a = p + "self_attn."
+        if kind == "kda":
+            for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
+                out[a + name + ".weight"] = (nh * d, h)
+            out[a + "conv1d.weight"] = (spec.kda_conv_channels, spec.kda_conv_size)
+            out[a + "f_a_proj.weight"] = (d, h)
+            out[a + "f_b_proj.weight"] = (nh * d, d)
+            out[a + "dt_bias"] = (nh * d,)
+            out[a + "A_log"] = (nh,)
+            out[a + "b_proj.weight"] = (nh, h)
+            out[a + "o_norm.weight"] = (d,)
+            out[a + "o_proj.weight"] = (h, nh * d)
+        else:
+            out[a + "q_proj.weight"] = (hm * spec.qk_head_dim, h)
+            out[a + "kv_a_proj_with_mqa.weight"] = (spec.kv_lora_rank + spec.qk_rope_head_dim, h)
+            out[a + "kv_a_layernorm.weight"] = (spec.kv_lora_rank,)
+            out[a + "kv_b_proj.weight"] = (hm * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank)
+            out[a + "o_proj.weight"] = (h, hm * spec.v_head_dim)
+            out[a + "indexer.wq.weight"] = (spec.index_n_heads * spec.index_head_dim, h)
+            out[a + "indexer.wk.weight"] = (spec.index_head_dim, h)
+            out[a + "indexer.weights_proj.weight"] = (spec.index_n_heads, h)
+        out[p + "mlp.gate.weight"] = (spec.n_routed_experts, h)
+        ffns = [(f"mlp.experts.{e}.", spec.moe_intermediate_size) for e in range(spec.n_routed_experts)]
+        ffns.append(("mlp.shared_experts.", spec.shared_intermediate_size))
+        for prefix, inter in ffns:
+            out[p + prefix + "gate_proj.weight"] = (inter, h)
+            out[p + prefix + "up_proj.weight"] = (inter, h)
+            out[p + prefix + "down_proj.weight"] = (h, inter)
+    return out
+
+
+# LoRA targets (peft `target_modules` names) and the fused linears both engines hold.
+LORA_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+    "gate_proj", "up_proj", "down_proj",
+)
+
+
+def lora_linears(spec: KimiSpec) -> dict[str, tuple[int, tuple[tuple[str, int], ...]]]:
+    """Every linear LoRA can adapt, by HF module path (fused ones named `...gate_up_proj`):
+    (in_features, parts), parts = ((HF module path, out_features), ...) in row order."""
+    shapes = hf_weight_shapes(spec)
+    out: dict[str, tuple[int, tuple[tuple[str, int], ...]]] = {}
+    for name, shape in shapes.items():
+        if not name.endswith(".weight") or len(shape) != 2:
+            continue
+        path = name[: -len(".weight")]
+        target = path.rsplit(".", 1)[-1]
+        if target not in LORA_TARGETS or ".indexer." in path:
+            continue
+        if target in ("gate_proj", "up_proj"):
+            fused = path[: -len(target)] + "gate_up_proj"
+            fan_in, parts = out.get(fused, (shape[1], ()))
+            out[fused] = (fan_in, (*parts, (path, shape[0])))
+        else:
+            out[path] = (shape[1], ((path, shape[0]),))
+    return out
+
+
+def peft_name(module_path: str, which: str) -> str:
+    """peft's state-dict name of a LoRA matrix for an HF module path (which: "A" | "B")."""
+    return f"base_model.model.{module_path}.lora_{which}.weight"

@@ -1,0 +1,85 @@
+"""Tensor parallelism shared by both engines: the shard layouts and the cross-rank sum.
+
+Shards (rank r of `size`), the same on the rollout and the trainer (they are Megatron's):
+
+- column-parallel QKV (grouped per KV head, parity.layouts): rows chunked in `size` equal
+  pieces, i.e. whole KV groups ([q of the group; k; v]) per rank;
+- column-parallel [gate; up]: [gate_r; up_r] (each half chunked, the rank's pieces stacked);
+- row-parallel o_proj / down_proj: columns (dim 1) chunked;
+- lm-head / output layer (tied or not): vocabulary rows chunked; the logits of the shards are
+  concatenated in rank order (an exact all-gather);
+- the embedding lookup is exact whichever rank holds a row; norms are replicated.
+
+The cross-rank sum of a row-parallel layer is `rank_ordered_sum`: every rank all-gathers the
+partial products (a copy, exact) and adds them in rank order, in fp32, then casts to the model
+dtype. A backend all-reduce (gloo ring, vLLM's shared-memory reduce) picks its order and
+precision from the backend, the message size and the world: the same two partials could give
+different bits on the two sides. This sum depends on the partials alone.
+
+LoRA under TP: adapters are kept replicated (every rank holds the full A and B) and the delta
+is computed on the full input exactly as with TP=1: a column-parallel layer's input is already
+full (the delta's columns of the rank are then sliced in the shard layout), a row-parallel
+layer's input shards are all-gathered (exact) first and its full delta is added once, after the
+sum. The delta therefore has the bits of the TP=1 delta on both sides, whatever the rank count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_tp(spec, size: int) -> None:
+    """ValueError unless `spec` (parity.model_spec.ModelSpec) shards evenly over `size` ranks."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    for what, n in (
+        ("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads),
+        ("intermediate_size", spec.intermediate_size), ("vocab_size", spec.vocab_size),
+    ):
+        if n % size:
+            raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={size}")
+
+
+def shard_rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Column-parallel shard (QKV grouped per KV head, lm-head/embedding vocab rows)."""
+    return t.chunk(size, dim=0)[rank].contiguous() if size > 1 else t
+
+
+def shard_cols(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Row-parallel shard (o_proj, down_proj): the input columns of the rank."""
+    return t.chunk(size, dim=1)[rank].contiguous() if size > 1 else t
+
+
+def shard_gate_up(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """[gate; up] -> [gate_r; up_r] (Megatron's GLU shard: the local output chunks in two)."""
+    if size == 1:
+        return t
+    gate, up = t.chunk(2, dim=0)
+    return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]]).contiguous()
+
+
+def unshard_gate_up(shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of shard_gate_up over all ranks' shards, in rank order."""
+    halves = [s.chunk(2, dim=0) for s in shards]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves]).contiguous()
+
+
+def shard_delta_cols(delta: torch.Tensor, fused: str, rank: int, size: int) -> torch.Tensor:
+    """The rank's columns of a full column-parallel output (a LoRA delta) in the shard layout."""
+    if size == 1:
+        return delta
+    if fused == "gate_up":
+        gate, up = delta.chunk(2, dim=-1)
+        return torch.cat([gate.chunk(size, dim=-1)[rank], up.chunk(size, dim=-1)[rank]], dim=-1)
+    return delta.chunk(size, dim=-1)[rank]
+
+
+def rank_ordered_sum(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """parts [size, ...] (the all-gathered partial products, rank order) -> their sum.
+
+    ((p0 + p1) + p2) + ... in fp32, rounded once to `dtype`. Element-wise adds only, so the
+    bits depend on the partials and their order alone (not on shapes, threads or backend)."""
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    return acc.to(dtype)

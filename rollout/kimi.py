@@ -1,0 +1,722 @@
+"""`ParityKimiMiniForCausalLM`: the vLLM side of the kimi-mini hybrid (KDA + MLA with a sparse
+indexer, MoE feed-forward). Every numerically relevant op is a `parity.kimi` / `parity.kernels`
+call, the very functions the Megatron trainer (trainer/kimi.py) runs, so log-probs are bitwise
+equal to the trainer's. Per layer (the trainer runs exactly this):
+
+    x = x + mixer(rms_norm(x, input_layernorm))          # kda_mixer | MLA (mla_entries,
+    x = x + moe(rms_norm(x, post_attention_layernorm))   #   indexer_topk, mla_attend)
+
+then `rms_norm(x, norm)`; logits `linear(x, embed_tokens)` (tied), log-probs by vLLM's sampler.
+
+Per-request state lives in vLLM's caches, so vLLM schedules, preempts and frees it:
+
+- KDA layers are vLLM `MambaBase` layers (the model implements `IsHybrid`): each request owns
+  one state block holding its conv state [K-1, 3HD] and recurrent state [H, dv, dk], fp32.
+  The layer's own mamba backend (`ParityKdaBackend`, registered as a new
+  `MambaAttentionBackendEnum` member) only turns vLLM's common metadata into each request's
+  state block, token count and whether it continues a sequence (computed tokens > 0); a new
+  sequence starts from zeros. The batch is never reordered (no backend asks for it).
+- MLA layers hold a vLLM `Attention` layer with the parity backend (rollout.attention) only for
+  its paged cache and metadata: the layer writes each new token's `mla_entries` cache entry
+  (latent; RoPE key; index key: spec.mla_cache_width values in the model dtype) into the key
+  half of its slot, then gathers each request's entries at positions 0..L-1 (ctx_slots) and
+  runs the indexer and the sparse attention itself. The config reports one KV head of
+  head_dim = mla_cache_width, so vLLM's hybrid page-size alignment sizes the attention pages
+  from the real per-token footprint.
+
+Parameters are plain tensors under the HF names, except each expert's (and the shared
+expert's) gate_proj and up_proj, held fused as `...gate_up_proj.weight` = cat([gate, up]) as
+Megatron holds them; the trainer's full-weight sync sends exactly these names. LoRA: every
+linear of `parity.kimi.lora_linears` can hold (A, B) pairs by HF module path; its output is
+then `parity.kimi.adapted_linear`, what the trainer runs.
+
+Trace (tests): `set_trace(True)` records, per forward step, each token's request key (the
+request's first state / cache block) and position, the experts each MoE layer chose and the
+positions each indexer selected; `trace_by_request` reassembles that per request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from parity import kernels, kimi
+from parity.compare import tensor_checksum
+from parity.kimi import Pair
+from parity.model_spec import KIMI_ARCHITECTURE, KimiSpec
+from rollout.attention import ParityAttentionBackend, _slot_view
+from rollout.wire import Index, as_bytes_tensor, unpack_tensors
+
+MODEL_TYPE = "kimi_mini"
+KDA_BACKEND_NAME = "KIMI_RL_KDA"
+_KDA_BACKEND_PATH = "rollout.kimi.ParityKdaBackend"
+
+
+# --- config ---------------------------------------------------------------------------------------
+
+
+class KimiMiniConfig(PretrainedConfig):
+    """transformers does not know model_type "kimi_mini"; vLLM loads configs through AutoConfig,
+    so rollout.plugin registers this class. It keeps every config.json key as an attribute and
+    adds what vLLM sizes the attention cache pages from: one KV head of head_dim =
+    mla_cache_width (what an MLA layer caches per token)."""
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, **kwargs) -> None:
+        known = {k: kwargs.pop(k) for k in list(kwargs) if k in KimiSpec.__dataclass_fields__}
+        super().__init__(tie_word_embeddings=known.pop("tie_word_embeddings", True), **kwargs)
+        for key, value in known.items():
+            setattr(self, key, value)
+        if "kv_lora_rank" in known:
+            self.head_dim = known["kv_lora_rank"] + known["qk_rope_head_dim"] + known["index_head_dim"]
+            self.num_key_value_heads = 1
+
+
+def register_config() -> None:
+    """Make AutoConfig (and so vLLM's config loader) build KimiMiniConfig for "kimi_mini"."""
+    from transformers import AutoConfig
+
+    AutoConfig.register(MODEL_TYPE, KimiMiniConfig, exist_ok=True)
+
+
+def spec_from_hf_config(config) -> KimiSpec:
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    d["architectures"] = [KIMI_ARCHITECTURE]
+    return KimiSpec.from_hf_config(d)
+
+
+# --- KDA state backend ----------------------------------------------------------------------------
+
+
+@dataclass
+class KdaMetadata:
+    num_reqs: int
+    num_query_tokens: int  # scheduled tokens (vLLM may pad the batch beyond them)
+    query_lens: list[int]  # per request, in batch order
+    state_index: torch.Tensor  # [num_reqs] int64, the request's state block
+    has_state: torch.Tensor  # [num_reqs] bool: continues a sequence (computed tokens > 0)
+
+
+class ParityKdaMetadataBuilder(AttentionMetadataBuilder[KdaMetadata]):
+    """One request = one state block (mamba_cache_mode "none": block_table[:, 0])."""
+
+    reorder_batch_threshold: ClassVar[int | None] = None
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False, **_,
+    ) -> KdaMetadata:
+        cm = common_attn_metadata
+        r = cm.num_reqs
+        qsl = cm.query_start_loc_cpu[: r + 1].to(torch.int64)
+        query_lens = qsl[1:] - qsl[:-1]
+        seq_lens = cm.seq_lens[:r].to(device="cpu", dtype=torch.int64)
+        return KdaMetadata(
+            num_reqs=r,
+            num_query_tokens=int(qsl[-1]) if r else 0,
+            query_lens=query_lens.tolist(),
+            state_index=cm.block_table_tensor[:r, 0].to(device="cpu", dtype=torch.int64),
+            has_state=(seq_lens - query_lens) > 0,
+        )
+
+
+class ParityKdaBackend(AttentionBackend):
+    """The KDA layers' mamba backend: metadata only, the layer does the math."""
+
+    @staticmethod
+    def get_name() -> str:
+        return KDA_BACKEND_NAME
+
+    @staticmethod
+    def get_builder_cls() -> type[ParityKdaMetadataBuilder]:
+        return ParityKdaMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError("KDA layers compute in the model")
+
+    @staticmethod
+    def get_kv_cache_shape(*args, **kwargs):
+        raise NotImplementedError("mamba state shapes come from MambaSpec")
+
+    @classmethod
+    def is_ssm(cls) -> bool:
+        return True
+
+
+if KDA_BACKEND_NAME not in MambaAttentionBackendEnum.__members__:
+    MambaAttentionBackendEnum.register(KDA_BACKEND_NAME, _KDA_BACKEND_PATH)
+
+
+# --- modules --------------------------------------------------------------------------------------
+
+
+class _Weight(nn.Module):
+    """A module holding one plain parameter as `.weight` (keeps the HF parameter names)."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class _Linear(_Weight):
+    """A linear that ends in `parity.kimi.adapted_linear`. `parts` ((HF module path, out size),
+    in row order) name the pairs it may hold. The pairs are a plain dict, not registered
+    tensors: vLLM's reload and the weight checksums walk the registered ones."""
+
+    def __init__(self, out_features: int, in_features: int, path: str, parts, dtype: torch.dtype) -> None:
+        super().__init__(out_features, in_features, dtype=dtype)
+        self.path = path
+        self.parts = tuple(parts) if parts else ((path, out_features),)
+        self.pairs: dict[str, Pair] = {}
+        self.scaling = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kimi.adapted_linear(x, self.weight, self.parts, self.pairs, self.scaling)
+
+
+class _Linears:
+    """Builds the _Linears of one model, with the LoRA parts from parity.kimi.lora_linears."""
+
+    def __init__(self, spec: KimiSpec, dtype: torch.dtype) -> None:
+        self.parts = {path: parts for path, (_, parts) in kimi.lora_linears(spec).items()}
+        self.dtype = dtype
+
+    def __call__(self, out_features: int, in_features: int, path: str) -> _Linear:
+        return _Linear(out_features, in_features, path, self.parts.get(path), self.dtype)
+
+
+class ParityKda(nn.Module, MambaBase):
+    """A KDA mixer (HF names) that keeps each request's conv and recurrent state in vLLM's
+    mamba state cache and computes with `parity.kimi.kda_mixer`."""
+
+    def __init__(self, spec: KimiSpec, lin: _Linears, dtype: torch.dtype, prefix: str) -> None:
+        from vllm.config import get_current_vllm_config
+
+        super().__init__()
+        self.spec, self.prefix = spec, prefix
+        h, nh, d = spec.hidden_size, spec.kda_num_heads, spec.kda_head_dim
+        for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
+            setattr(self, name, lin(nh * d, h, f"{prefix}.{name}"))
+        self.f_a_proj = lin(d, h, f"{prefix}.f_a_proj")
+        self.f_b_proj = lin(nh * d, d, f"{prefix}.f_b_proj")
+        self.b_proj = lin(nh, h, f"{prefix}.b_proj")
+        self.o_proj = lin(h, nh * d, f"{prefix}.o_proj")
+        self.conv1d = _Weight(spec.kda_conv_channels, spec.kda_conv_size, dtype=dtype)
+        self.dt_bias = _param(nh * d, dtype=dtype)
+        self.A_log = _param(nh, dtype=dtype)
+        self.o_norm = _Weight(d, dtype=dtype)
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"duplicate layer name {prefix}")
+        context[prefix] = self
+        self.kv_cache = (torch.tensor([]),)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum[KDA_BACKEND_NAME]
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return kda_state_shapes(self.spec)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.float32)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, KdaMetadata | None]:
+        metadata = get_forward_context().attn_metadata
+        meta = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        out = torch.zeros_like(h)
+        if meta is None or meta.num_query_tokens == 0 or self.kv_cache[0].numel() == 0:
+            return out, None  # profiling / warm-up run
+        conv_all, state_all = self.kv_cache
+        keep = [i for i, n in enumerate(meta.query_lens) if n > 0]
+        idx = meta.state_index[keep]
+        lengths = [meta.query_lens[i] for i in keep]
+        fresh = ~meta.has_state[keep]
+        conv = conv_all[idx].masked_fill(fresh.view(-1, 1, 1), 0.0)
+        state = state_all[idx].masked_fill(fresh.view(-1, 1, 1, 1), 0.0)
+        n = meta.num_query_tokens
+        out[:n], conv, state = kimi.kda_mixer(self, self.spec, h[:n], lengths, conv, state)
+        conv_all[idx] = conv
+        state_all[idx] = state
+        return out, meta
+
+
+def kda_state_shapes(spec: KimiSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(conv state [K-1, 3HD], recurrent state S^T [H, dv, dk]) per request, both fp32."""
+    d = spec.kda_head_dim
+    return (spec.kda_conv_size - 1, spec.kda_conv_channels), (spec.kda_num_heads, d, d)
+
+
+class _Indexer(nn.Module):
+    def __init__(self, spec: KimiSpec, lin: _Linears, prefix: str) -> None:
+        super().__init__()
+        h = spec.hidden_size
+        self.wq = lin(spec.index_n_heads * spec.index_head_dim, h, f"{prefix}.wq")
+        self.wk = lin(spec.index_head_dim, h, f"{prefix}.wk")
+        self.weights_proj = lin(spec.index_n_heads, h, f"{prefix}.weights_proj")
+
+
+class ParityMla(nn.Module):
+    """An MLA mixer (HF names) over vLLM's paged cache of `mla_entries` (see the module doc)."""
+
+    def __init__(self, spec: KimiSpec, lin: _Linears, dtype: torch.dtype, cache_config, prefix: str) -> None:
+        from vllm.model_executor.layers.attention import Attention
+
+        super().__init__()
+        self.spec = spec
+        h, hm = spec.hidden_size, spec.num_attention_heads
+        self.q_proj = lin(hm * spec.qk_head_dim, h, f"{prefix}.q_proj")
+        self.kv_a_proj_with_mqa = lin(spec.kv_lora_rank + spec.qk_rope_head_dim, h, f"{prefix}.kv_a_proj_with_mqa")
+        self.kv_a_layernorm = _Weight(spec.kv_lora_rank, dtype=dtype)
+        self.kv_b_proj = lin(hm * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank, f"{prefix}.kv_b_proj")
+        self.o_proj = lin(h, hm * spec.v_head_dim, f"{prefix}.o_proj")
+        self.indexer = _Indexer(spec, lin, f"{prefix}.indexer")
+        # Never called: it owns the paged cache (one "head" of one entry per token) and makes
+        # vLLM build the parity attention metadata for this layer.
+        self.attn = Attention(
+            1, spec.mla_cache_width, 1.0, num_kv_heads=1, cache_config=cache_config,
+            prefix=f"{prefix}.attn", attn_backend=ParityAttentionBackend,
+        )
+
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple | None]:
+        metadata = get_forward_context().attn_metadata
+        meta = metadata.get(self.attn.layer_name) if isinstance(metadata, dict) else None
+        out = torch.zeros_like(h)
+        kv_cache = self.attn.kv_cache
+        if meta is None or meta.num_query_tokens == 0 or kv_cache.numel() == 0:
+            return out, None  # profiling / warm-up run
+        s, n, width = self.spec, meta.num_query_tokens, self.spec.mla_cache_width
+        q, entry, index_q, index_w = kimi.mla_entries(self, s, h[:n], positions[:n])
+        cache = _slot_view(kv_cache, 1, width)  # [slot, key | value, head, width]
+        slots = meta.slot_mapping[:n].to(torch.int64)
+        keep = slots >= 0
+        cache[slots[keep], 0, 0] = entry[keep].to(cache.dtype)
+        ctx = cache[meta.ctx_slots][:, :, 0, 0]  # [R, L, width]
+        # Positions past a request's end read slot 0: zero them (never selected either way).
+        valid = torch.arange(ctx.shape[1]).unsqueeze(0) < meta.seq_lens.unsqueeze(1)
+        ctx = ctx.masked_fill(~valid.unsqueeze(-1), 0)
+        selected, count = kimi.indexer_topk(
+            s, index_q, index_w, ctx[..., -s.index_head_dim :], meta.q_seq, meta.q_pos
+        )
+        out[:n] = kimi.mla_attend(self, s, q, ctx, meta.q_seq, selected, count)
+        return out, (meta, selected, count)
+
+
+class _Expert(nn.Module):
+    def __init__(self, spec: KimiSpec, lin: _Linears, inter: int, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = lin(2 * inter, spec.hidden_size, f"{prefix}.gate_up_proj")
+        self.down_proj = lin(spec.hidden_size, inter, f"{prefix}.down_proj")
+
+
+class ParityMoe(nn.Module):
+    def __init__(self, spec: KimiSpec, lin: _Linears, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        self.gate = _Weight(spec.n_routed_experts, spec.hidden_size, dtype=dtype)
+        self.experts = nn.ModuleList(
+            _Expert(spec, lin, spec.moe_intermediate_size, f"{prefix}.experts.{e}")
+            for e in range(spec.n_routed_experts)
+        )
+        self.shared_experts = _Expert(spec, lin, spec.shared_intermediate_size, f"{prefix}.shared_experts")
+
+
+class ParityKimiLayer(nn.Module):
+    def __init__(self, spec: KimiSpec, i: int, lin: _Linears, dtype: torch.dtype, cache_config) -> None:
+        super().__init__()
+        self.kind = spec.layer_types[i]
+        self.eps = spec.rms_norm_eps
+        self.spec = spec
+        prefix = f"model.layers.{i}"
+        self.input_layernorm = _Weight(spec.hidden_size, dtype=dtype)
+        self.post_attention_layernorm = _Weight(spec.hidden_size, dtype=dtype)
+        if self.kind == "kda":
+            self.self_attn = ParityKda(spec, lin, dtype, f"{prefix}.self_attn")
+        else:
+            self.self_attn = ParityMla(spec, lin, dtype, cache_config, f"{prefix}.self_attn")
+        self.mlp = ParityMoe(spec, lin, dtype, f"{prefix}.mlp")
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, object, torch.Tensor]:
+        h = kernels.rms_norm(x, self.input_layernorm.weight, self.eps)
+        if self.kind == "kda":
+            mixed, info = self.self_attn(h)
+        else:
+            mixed, info = self.self_attn(positions, h)
+        x = x + mixed
+        h = kernels.rms_norm(x, self.post_attention_layernorm.weight, self.eps)
+        out, experts = kimi.moe(self.mlp, self.spec, h)
+        return x + out, info, experts
+
+
+class ParityKimiModel(nn.Module):
+    def __init__(self, spec: KimiSpec, dtype: torch.dtype, cache_config) -> None:
+        super().__init__()
+        self.spec = spec
+        lin = _Linears(spec, dtype)
+        self.embed_tokens = _Weight(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            ParityKimiLayer(spec, i, lin, dtype, cache_config) for i in range(spec.num_layers)
+        )
+        self.norm = _Weight(spec.hidden_size, dtype=dtype)
+
+
+# --- checkpoint names, adapters -------------------------------------------------------------------
+
+_GATE, _UP = ".gate_proj.weight", ".up_proj.weight"
+
+
+def _fused_name(hf_name: str) -> tuple[str, int] | None:
+    """(rollout parameter name, 0 gate | 1 up) for an expert's gate/up weight, else None."""
+    for which, suffix in enumerate((_GATE, _UP)):
+        if hf_name.endswith(suffix) and ".mlp." in hf_name:
+            return hf_name[: -len(suffix)] + ".gate_up_proj.weight", which
+    return None
+
+
+def check_hf_weights(spec: KimiSpec, named: dict[str, torch.Tensor]) -> None:
+    """ValueError unless `named` are known HF weights with the right shapes whose fused groups
+    (an expert's gate and up) are complete; checked before an in-place reload starts."""
+    shapes = kimi.hf_weight_shapes(spec)
+    groups: dict[str, set[int]] = {}
+    for name, tensor in named.items():
+        if name not in shapes:
+            raise ValueError(f"unexpected weight {name!r}")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {shapes[name]}")
+        if fused := _fused_name(name):
+            groups.setdefault(fused[0], set()).add(fused[1])
+    for fused, parts in sorted(groups.items()):
+        if parts != {0, 1}:
+            raise ValueError(f"{fused}: needs both gate_proj and up_proj, got {sorted(parts)}")
+
+
+def _peft_table(spec: KimiSpec) -> dict[str, tuple[str, str, int, int]]:
+    """peft name -> (HF module path, "A" | "B", in_features, out_features) of every LoRA part."""
+    table = {}
+    for fan_in, parts in kimi.lora_linears(spec).values():
+        for path, fan_out in parts:
+            for which in "AB":
+                table[kimi.peft_name(path, which)] = (path, which, fan_in, fan_out)
+    return table
+
+
+def adapter_pairs(
+    spec: KimiSpec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], scaling: float
+) -> dict[str, Pair]:
+    """Check a LoRA adapter (peft names of parity.kimi.lora_linears parts, the model dtype,
+    A [r, in] and B [out, r], finite scaling; ValueError otherwise): {HF module path: (A, B)}."""
+    if not tensors:
+        raise ValueError("empty adapter (clear_adapter removes one)")
+    if not math.isfinite(scaling):
+        raise ValueError(f"scaling must be finite, got {scaling}")
+    table = _peft_table(spec)
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        if name not in table:
+            raise ValueError(f"not a peft LoRA tensor name of this model: {name!r}")
+        if tensor.dtype != dtype:
+            # A silent cast could round differently from the trainer's.
+            raise ValueError(f"{name}: dtype {tensor.dtype}, the model computes in {dtype}")
+        path, which, _, _ = table[name]
+        found.setdefault(path, {})[which] = tensor.detach()
+    pairs = {}
+    for path, ab in found.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{path}: needs lora_A and lora_B, got {sorted(ab)}")
+        a, b = ab["A"], ab["B"]
+        _, _, fan_in, fan_out = table[kimi.peft_name(path, "A")]
+        if not (
+            a.dim() == 2 and b.dim() == 2 and a.shape[0] == b.shape[1] > 0
+            and a.shape[1] == fan_in and b.shape[0] == fan_out
+        ):
+            raise ValueError(
+                f"{path}: A {tuple(a.shape)} and B {tuple(b.shape)} are not [r, {fan_in}] and [{fan_out}, r]"
+            )
+        pairs[path] = (a, b)
+    return pairs
+
+
+# --- the vLLM model -------------------------------------------------------------------------------
+
+
+class ParityKimiMiniForCausalLM(nn.Module):
+    """vLLM model class registered as `KimiRLParityKimiMiniForCausalLM` (hybrid: IsHybrid's
+    class attributes and methods, duck-typed)."""
+
+    hf_architecture = KIMI_ARCHITECTURE
+    is_hybrid: ClassVar[bool] = True
+    has_inner_state: ClassVar[bool] = True
+
+    # --- vLLM hybrid interface ------------------------------------------------------------
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config) -> tuple[tuple[int, ...], ...]:
+        return kda_state_shapes(spec_from_hf_config(vllm_config.model_config.hf_config))
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config) -> tuple[torch.dtype, ...]:
+        return (torch.float32, torch.float32)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple:
+        # Only prefix caching's "align" mode copies states; the engine runs without it.
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+
+        return MambaStateCopyFuncCalculator.kda_state_copy_func()
+
+    @classmethod
+    def get_mamba_state_copy_funcs(cls, mamba_types) -> dict:
+        return {t: cls.get_mamba_state_copy_func() for t in mamba_types}
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+
+        super().__init__()
+        if get_tensor_model_parallel_world_size() != 1 or get_pp_group().world_size != 1:
+            raise NotImplementedError("the parity models run without tensor/pipeline parallelism")
+        if prefix:
+            raise NotImplementedError("the kimi-mini parity model is a top-level model")
+        model_config = vllm_config.model_config
+        self.spec = spec_from_hf_config(model_config.hf_config)
+        if not self.spec.tie_word_embeddings:
+            raise NotImplementedError("kimi-mini ties its embeddings")
+        self.dtype = model_config.dtype
+        self.config = model_config.hf_config
+        self.model = ParityKimiModel(self.spec, self.dtype, vllm_config.cache_config)
+        self._pending: dict[str, dict[int, torch.Tensor]] = {}
+        self._packed: tuple[torch.Tensor, Index] | None = None  # see set_adapter_packed
+        self._trace: list[dict] | None = None
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return kernels.embedding(input_ids, self.model.embed_tokens.weight)
+
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None, **_,
+    ) -> torch.Tensor:
+        assert intermediate_tensors is None, "pipeline parallelism is not supported"
+        x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        step: dict = {}
+        for i, layer in enumerate(self.model.layers):
+            x, info, experts = layer(positions, x)
+            if self._trace is not None and info is not None:
+                self._record(step, i, layer.kind, positions, info, experts)
+        if step:
+            self._trace.append(step)
+        return kernels.rms_norm(x, self.model.norm.weight, self.spec.rms_norm_eps)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(hidden_states, self.model.embed_tokens.weight)
+
+    # --- trace ----------------------------------------------------------------------------
+
+    def set_trace(self, on: bool) -> None:
+        """Start (clearing what was recorded) or stop recording the routing trace."""
+        self._trace = [] if on else None
+
+    def take_trace(self) -> list[dict]:
+        """The steps recorded since the last take (recording continues)."""
+        steps, self._trace = (self._trace or []), ([] if self._trace is not None else None)
+        return steps
+
+    @staticmethod
+    def _record(step: dict, i: int, kind: str, positions, info, experts: torch.Tensor) -> None:
+        if kind == "kda":
+            meta = info
+            n = meta.num_query_tokens
+            key = meta.state_index
+            q_seq = torch.repeat_interleave(torch.arange(meta.num_reqs), torch.tensor(meta.query_lens))
+        else:
+            meta, selected, count = info
+            n = meta.num_query_tokens
+            key = meta.block_table[:, 0].to(device="cpu", dtype=torch.int64)
+            q_seq = meta.q_seq
+            step[f"layers.{i}.self_attn.selected"] = selected.clone()
+            step[f"layers.{i}.self_attn.count"] = count.clone()
+        if "keys" not in step:  # the first layer that ran names the requests
+            step["keys"] = key[q_seq].clone()
+            step["positions"] = positions[:n].to(torch.int64).clone()
+        step[f"layers.{i}.mlp.experts"] = experts[:n].clone()
+
+    # --- weights --------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into the parameters (in place, through vLLM's
+        weight_loader so it also serves reload_weights); an expert's gate/up are fused once
+        both arrived. Returns the names of the parameters written."""
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        params = dict(self.named_parameters())
+        shapes = kimi.hf_weight_shapes(self.spec)
+        loaded: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            with torch.no_grad():
+                loader(param, tensor)
+            loaded.add(name)
+
+        for name, tensor in weights:
+            if name not in shapes:
+                raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            if fused := _fused_name(name):
+                parts = self._pending.setdefault(fused[0], {})
+                parts[fused[1]] = tensor
+                if len(parts) == 2:
+                    del self._pending[fused[0]]
+                    put(fused[0], torch.cat([parts[0], parts[1]], 0))
+            else:
+                put(name, tensor)
+        if self._pending:
+            incomplete = sorted(self._pending)
+            self._pending.clear()
+            raise ValueError(f"incomplete gate/up pairs in checkpoint: {incomplete}")
+        return loaded
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The held weights under their HF names (gate_up split back: views, no new bits)."""
+        params = dict(self.named_parameters())
+        for name in kimi.hf_weight_shapes(self.spec):
+            if fused := _fused_name(name):
+                w = params[fused[0]]
+                half = w.shape[0] // 2
+                yield name, (w[:half] if fused[1] == 0 else w[half:])
+            else:
+                yield name, params[name]
+
+    def update_params_packed(self, flat, index: Index) -> None:
+        """Full-weight sync in the wire format by this model's parameter names (HF names,
+        experts' gate_up fused): one copy per parameter, everything checked first."""
+        params = dict(self.named_parameters())
+        tensors = unpack_tensors(flat, tuple((n, d, tuple(sh), o, b) for n, d, sh, o, b in index))
+        for name, tensor in tensors.items():
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unknown parameter {name!r}")
+            if param.shape != tensor.shape or param.dtype != tensor.dtype:
+                raise ValueError(
+                    f"{name}: {tensor.dtype} {tuple(tensor.shape)}, the model holds "
+                    f"{param.dtype} {tuple(param.shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)
+
+    def param_checksums(self) -> dict[str, str]:
+        """sha256 of every parameter, by this model's parameter name."""
+        return {name: tensor_checksum(p) for name, p in self.named_parameters()}
+
+    def weight_checksums(self) -> dict[str, str]:
+        """sha256 of every held weight, by HF checkpoint name."""
+        return {name: tensor_checksum(t) for name, t in self.hf_weights()}
+
+    # --- LoRA -----------------------------------------------------------------------------
+
+    def _linears(self) -> Iterator[_Linear]:
+        return (m for m in self.modules() if isinstance(m, _Linear))
+
+    def _hold(self, pairs: dict[str, Pair], scaling: float, *, copy: bool) -> None:
+        for linear in self._linears():
+            mine = {path: pairs[path] for path, _ in linear.parts if path in pairs}
+            if copy:  # copies, never references (in-process they may be the trainer's tensors)
+                mine = {
+                    p: (a.clone(memory_format=torch.contiguous_format), b.clone(memory_format=torch.contiguous_format))
+                    for p, (a, b) in mine.items()
+                }
+            linear.pairs = mine
+            linear.scaling = float(scaling)
+
+    def set_adapter(self, tensors: dict[str, torch.Tensor], scaling: float) -> None:
+        """Hold a LoRA adapter (peft names, model dtype), replacing the previous one; checked
+        completely before anything changes."""
+        pairs = adapter_pairs(self.spec, self.dtype, tensors, scaling)
+        self._packed = None
+        self._hold(pairs, scaling, copy=True)
+
+    def set_adapter_packed(self, flat, index: Index, scaling: float) -> None:
+        """set_adapter from the wire format: the model keeps one buffer in the same layout (every
+        A and B a view into it), so a re-sync with the same index is one copy of the bytes."""
+        incoming = as_bytes_tensor(flat)
+        index = tuple((n, d, tuple(shape), o, b) for n, d, shape, o, b in index)
+        held = self._packed
+        if held is not None and held[1] == index and held[0].numel() == incoming.numel():
+            if not math.isfinite(scaling):
+                raise ValueError(f"scaling must be finite, got {scaling}")
+            held[0].copy_(incoming)
+            for linear in self._linears():
+                linear.scaling = float(scaling)
+            return
+        buf = incoming.clone()
+        pairs = adapter_pairs(self.spec, self.dtype, unpack_tensors(buf, index), scaling)
+        self._hold(pairs, scaling, copy=False)
+        self._packed = (buf, index)
+
+    def clear_adapter(self) -> None:
+        """Drop the adapter: every linear takes the base path again."""
+        self._packed = None
+        self._hold({}, 0.0, copy=False)
+
+    def adapter_checksums(self) -> dict[str, str]:
+        """sha256 of each held adapter tensor, by peft name; empty without an adapter."""
+        return {
+            kimi.peft_name(path, which): tensor_checksum(t)
+            for linear in self._linears()
+            for path, pair in linear.pairs.items()
+            for which, t in zip("AB", pair, strict=True)
+        }
+
+
+# --- trace reassembly -----------------------------------------------------------------------------
+
+
+def trace_by_request(steps: list[dict]) -> list[dict[str, torch.Tensor]]:
+    """Per request (in order of first appearance at position 0), over the positions 0..P-1 the
+    engine processed: {"layers.{i}.mlp.experts": int64 [P, k], "layers.{i}.self_attn.selected":
+    int64 [P, topk], "layers.{i}.self_attn.count": [P]}. A key (the request's first block) is
+    reused after its request ends; a token at position 0 always starts a new request."""
+    requests: list[dict[str, list]] = []
+    live: dict[int, int] = {}
+    for step in steps:
+        names = [k for k in step if k.startswith("layers.")]
+        for t, (key, pos) in enumerate(zip(step["keys"].tolist(), step["positions"].tolist(), strict=True)):
+            if pos == 0:
+                live[key] = len(requests)
+                requests.append({"positions": [], **{name: [] for name in names}})
+            rec = requests[live[key]]
+            rec["positions"].append(pos)
+            for name in names:
+                rec[name].append(step[name][t])
+    out = []
+    for rec in requests:
+        positions = rec.pop("positions")
+        if positions != list(range(len(positions))):
+            raise RuntimeError(f"trace positions are not 0..P-1: {positions[:8]}...")
+        out.append({name: torch.stack(rows).to(torch.int64) for name, rows in rec.items()})
+    return out
