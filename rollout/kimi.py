@@ -18,11 +18,12 @@ Per-request state lives in vLLM's caches, so vLLM schedules, preempts and frees 
   sequence starts from zeros. The batch is never reordered (no backend asks for it).
 - MLA layers hold a vLLM `Attention` layer with the parity backend (rollout.attention) only for
   its paged cache and metadata: the layer writes each new token's `mla_entries` cache entry
-  (latent; RoPE key; index key: spec.mla_cache_width values in the model dtype) into the key
-  half of its slot, then gathers each request's entries at positions 0..L-1 (ctx_slots) and
-  runs the indexer and the sparse attention itself. The config reports one KV head of
-  head_dim = mla_cache_width, so vLLM's hybrid page-size alignment sizes the attention pages
-  from the real per-token footprint.
+  (latent; RoPE key; index key: spec.mla_cache_width values in the model dtype) across the
+  key and value halves of its slot (first half / second half, so no byte of the slot is
+  wasted), then gathers each request's entries at positions 0..L-1 (ctx_slots) and runs the
+  indexer and the sparse attention itself. The config reports one KV head of head_dim =
+  mla_cache_width / 2, so vLLM's hybrid page-size alignment sizes the attention pages from the
+  real per-token footprint.
 
 Parameters are plain tensors under the HF names, except each expert's (and the shared
 expert's) gate_proj and up_proj, held fused as `...gate_up_proj.weight` = cat([gate, up]) as
@@ -73,7 +74,7 @@ class KimiMiniConfig(PretrainedConfig):
     """transformers does not know model_type "kimi_mini"; vLLM loads configs through AutoConfig,
     so rollout.plugin registers this class. It keeps every config.json key as an attribute and
     adds what vLLM sizes the attention cache pages from: one KV head of head_dim =
-    mla_cache_width (what an MLA layer caches per token)."""
+    mla_cache_width / 2 (an MLA layer's entry fills the key and the value half of a slot)."""
 
     model_type = MODEL_TYPE
 
@@ -83,7 +84,13 @@ class KimiMiniConfig(PretrainedConfig):
         for key, value in known.items():
             setattr(self, key, value)
         if "kv_lora_rank" in known:
-            self.head_dim = known["kv_lora_rank"] + known["qk_rope_head_dim"] + known["index_head_dim"]
+            width = known["kv_lora_rank"] + known["qk_rope_head_dim"] + known["index_head_dim"]
+            if width % 2:
+                raise ValueError(
+                    f"kv_lora_rank + qk_rope_head_dim + index_head_dim = {width} must be even "
+                    "(an MLA cache entry fills the key and value halves of a cache slot)"
+                )
+            self.head_dim = width // 2
             self.num_key_value_heads = 1
 
 
@@ -297,7 +304,7 @@ class ParityMla(nn.Module):
         # Never called: it owns the paged cache (one "head" of one entry per token) and makes
         # vLLM build the parity attention metadata for this layer.
         self.attn = Attention(
-            1, spec.mla_cache_width, 1.0, num_kv_heads=1, cache_config=cache_config,
+            1, spec.mla_cache_width // 2, 1.0, num_kv_heads=1, cache_config=cache_config,
             prefix=f"{prefix}.attn", attn_backend=ParityAttentionBackend,
         )
 
@@ -312,11 +319,11 @@ class ParityMla(nn.Module):
             return out, None  # profiling / warm-up run
         s, n, width = self.spec, meta.num_query_tokens, self.spec.mla_cache_width
         q, entry, index_q, index_w = kimi.mla_entries(self, s, h[:n], positions[:n])
-        cache = _slot_view(kv_cache, 1, width)  # [slot, key | value, head, width]
+        cache = _slot_view(kv_cache, 1, width // 2)  # [slot, key | value, head, width / 2]
         slots = meta.slot_mapping[:n].to(torch.int64)
         keep = slots >= 0
-        cache[slots[keep], 0, 0] = entry[keep].to(cache.dtype)
-        ctx = cache[meta.ctx_slots][:, :, 0, 0]  # [R, L, width]
+        cache[slots[keep], :, 0] = entry[keep].to(cache.dtype).view(-1, 2, width // 2)
+        ctx = cache[meta.ctx_slots][:, :, :, 0].reshape(*meta.ctx_slots.shape, width)  # [R, L, width]
         # Positions past a request's end read slot 0: zero them (never selected either way).
         valid = torch.arange(ctx.shape[1]).unsqueeze(0) < meta.seq_lens.unsqueeze(1)
         ctx = ctx.masked_fill(~valid.unsqueeze(-1), 0)
