@@ -139,6 +139,8 @@ class KimiSpec:
             raise ValueError("index_topk must be >= 1")
         if spec.qk_rope_head_dim % 2 or spec.v_head_dim > spec.qk_head_dim:
             raise ValueError("qk_rope_head_dim must be even and v_head_dim <= qk head dim")
+        if spec.mla_cache_width % 2:  # the rollout splits an entry over a slot's key/value halves
+            raise ValueError("kv_lora_rank + qk_rope_head_dim + index_head_dim must be even")
         return spec
 
     @classmethod

@@ -377,7 +377,26 @@ def kimi_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
     return out
 
 
-def _init_kimi(preset: str, seed: int, out: Path, dtype: str, force: bool) -> Path:
+def _kimi_overrides(pairs: Iterable[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` pairs (VALUE as JSON, else a string) for kimi-mini's config.json."""
+    from parity.model_spec import KimiSpec
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or key not in KimiSpec.__dataclass_fields__ or key in ("vocab_size", "tie_word_embeddings"):
+            settable = sorted(set(KimiSpec.__dataclass_fields__) - {"vocab_size", "tie_word_embeddings"})
+            raise UserError(f"--set {pair!r}: expected KEY=VALUE with KEY one of {', '.join(settable)}")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
+def _init_kimi(
+    preset: str, seed: int, out: Path, dtype: str, force: bool, overrides: dict[str, Any] | None = None
+) -> Path:
     from safetensors.torch import save_file
 
     _check_choice("preset", preset, KIMI_PRESETS)
@@ -387,6 +406,15 @@ def _init_kimi(preset: str, seed: int, out: Path, dtype: str, force: bool) -> Pa
     tokenizer = build_tokenizer(TOKENIZER_VOCAB[preset], max_len)
     vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     config = kimi_config(preset, vocab_size)
+    if overrides:
+        from parity.model_spec import KimiSpec
+
+        config.update(overrides)
+        config["num_hidden_layers"] = len(config["layer_types"])
+        try:
+            KimiSpec.from_hf_config(config)
+        except (ValueError, TypeError, KeyError) as e:
+            raise UserError(f"--set: {e}") from None
     weights = kimi_weights(config, seed)
     with _atomic_dir(out, force) as tmp, _no_hf_progress_bars():
         save_file(
@@ -403,7 +431,8 @@ def _init_kimi(preset: str, seed: int, out: Path, dtype: str, force: bool) -> Pa
 
 
 def init_model(
-    arch: str, preset: str, seed: int, out_dir: str | Path, dtype: str = "fp32", *, force: bool = False
+    arch: str, preset: str, seed: int, out_dir: str | Path, dtype: str = "fp32", *, force: bool = False,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random-init `arch` checkpoint of size `preset` to `out_dir`; returns the path.
     The same (arch, preset, seed, dtype) always gives byte-identical files. A non-empty
@@ -414,7 +443,9 @@ def init_model(
     out = Path(out_dir)
     _check_choice("arch", arch, ARCHITECTURES)
     if arch == "kimi-mini":
-        return _init_kimi(preset, seed, out, dtype, force)
+        return _init_kimi(preset, seed, out, dtype, force, overrides)
+    if overrides:
+        raise UserError("--set is for --arch kimi-mini (its layer pattern, experts, MLA and indexer sizes)")
     _check_choice("preset", preset, PRESETS)
     torch_dtype = _torch_dtype(dtype)
     _check_out_dir(out, force)  # before any work, so a bad OUT fails fast
@@ -567,7 +598,8 @@ def _dir_size(path: Path) -> str:
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    out = init_model(args.arch, args.preset, args.seed, args.out, args.dtype, force=args.force)
+    out = init_model(args.arch, args.preset, args.seed, args.out, args.dtype, force=args.force,
+                     overrides=_kimi_overrides(args.set))
     print(f"wrote {out} ({args.arch}, {args.preset}, seed {args.seed}, {args.dtype}, {_dir_size(out)})")
     return 0
 
@@ -592,6 +624,11 @@ def add_model_commands(subparsers: Any) -> None:
     init.add_argument("--seed", required=True, type=int)
     init.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     init.add_argument("--force", action="store_true", help="replace OUT if it already holds a model")
+    init.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="kimi-mini config.json field (JSON value), e.g. --set 'layer_types=[\"kda\",\"mla\"]'"
+        " --set n_routed_experts=16 --set index_topk=32",
+    )
     init.add_argument("out", metavar="OUT", help="directory to create")
     init.set_defaults(func=_cmd_init)
 

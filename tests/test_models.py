@@ -292,3 +292,24 @@ def test_import_smollm2(tmp_path):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])  # the weights survived the trip
+
+
+def test_kimi_mini_init_with_overrides(tmp_path, capsys):
+    out = tmp_path / "kimi"
+    argv = ["model", "init", "--arch", "kimi-mini", "--preset", "tiny", "--seed", "0",
+            "--set", 'layer_types=["kda","mla","kda","kda","kda","mla"]', "--set", "n_routed_experts=4",
+            "--set", "index_topk=24", str(out)]
+    assert cli_main(argv) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["KimiMiniForCausalLM"]
+    assert config["num_hidden_layers"] == 6 and config["n_routed_experts"] == 4
+    weights = load_file(str(out / "model.safetensors"))
+    assert "model.layers.5.self_attn.indexer.wk.weight" in weights
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in weights
+    assert "model.layers.0.mlp.experts.4.down_proj.weight" not in weights
+    validate_model_dir(out)
+    # Bad values fail before anything is written, naming the problem.
+    bad = tmp_path / "bad"
+    assert cli_main(argv[:8] + ["--set", "num_experts_per_tok=99", str(bad)]) == 2
+    assert "num_experts_per_tok" in capsys.readouterr().err
+    assert not bad.exists()
