@@ -129,3 +129,18 @@ def test_kimi_ppo_three_steps_bitwise(model_factory, tmp_path):
     records = read_metrics(run_dir)
     _assert_every_step_bitwise(records, 3)
     assert all(r["sync/probe_equal"] == 1.0 for r in records)
+
+
+def test_check_adapter_errors_come_before_any_engine(model_factory, tmp_path, capsys):
+    from rl.cli import main
+
+    model_dir = model_factory("kimi-mini")
+    base = ["parity", "check", "--model", model_dir]
+    assert main([*base, "--adapter", str(tmp_path / "missing")]) == 2
+    assert "adapter_config.json" in capsys.readouterr().err
+    adapter = write_random_adapter(model_dir, tmp_path / "adapter")
+    assert main([*base, "--adapter", str(adapter), "--parity", "off"]) == 2
+    assert "--parity on" in capsys.readouterr().err
+    (adapter / "adapter_config.json").write_text("{\n  \"r\": 4,\n  oops\n}")
+    assert main([*base, "--adapter", str(adapter)]) == 2
+    assert "adapter_config.json:3" in capsys.readouterr().err
