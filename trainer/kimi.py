@@ -40,6 +40,7 @@ from parity import kimi
 from parity.model_spec import KimiSpec
 from trainer.layers import ParityColumnParallelLinear, ParityRMSNorm, _LoRAMixin
 from trainer.megatron_patches import cpu_current_device
+from trainer.model import common_config
 
 Parts = tuple[tuple[str, int], ...]
 
@@ -60,20 +61,8 @@ def kimi_transformer_config(spec: KimiSpec, dtype: torch.dtype) -> KimiTransform
         ffn_hidden_size=spec.moe_intermediate_size,
         num_attention_heads=spec.num_attention_heads,
         layernorm_epsilon=spec.rms_norm_eps,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         tensor_model_parallel_size=1,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        **common_config(dtype),
     )
 
 

@@ -47,14 +47,21 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_siz
         num_query_groups=spec.num_kv_heads,
         kv_channels=spec.head_dim,
         layernorm_epsilon=spec.rms_norm_eps,
-        normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=kernels.silu if parity else torch.nn.functional.silu,
-        add_bias_linear=False,
         qk_layernorm=spec.qk_norm,
+        tensor_model_parallel_size=tp_size,
+        **common_config(dtype),
+    )
+
+
+def common_config(dtype: torch.dtype) -> dict:
+    """TransformerConfig fields every kimi-rl model sets the same way (dense and kimi-mini)."""
+    return dict(
+        normalization="RMSNorm",
+        add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=tp_size,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
