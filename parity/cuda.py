@@ -17,7 +17,7 @@ own row of A and column of B, and padding rows (masked loads of 0) are never sto
 
 Element-wise ops (SiLU, exp, RoPE's mul/add, casts) stay plain torch: on CUDA each element is
 computed by the same scalar functor whatever its position (vectorised and tail loads share
-it), so no CPU-style chunking is needed; tests/test_cuda_kernels.py checks it on the device.
+it), so no CPU-style chunking is needed; tests/unit/test_cuda_kernels.py checks it on the device.
 `log_softmax` needs no CUDA branch: vLLM's sampler calls the very same torch op, whose CUDA
 kernel reduces each row in one block sized from the vocabulary alone (checked on the device).
 
@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from parity.autograd import InvariantLinear, RecomputeAttention
 
 try:
     import triton
@@ -394,7 +396,6 @@ def attention_forward(
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias): the parity GEMM on CUDA (see `_linear_kernel`)."""
-    from parity.kernels import InvariantLinear
 
     k = x.shape[-1]
     out = InvariantLinear.apply(x.reshape(-1, k), weight, linear_forward)
@@ -520,6 +521,5 @@ def attention(
     scale: float,
 ) -> torch.Tensor:
     """kernels.attention on CUDA: forward `_attention_kernel`, backward a dense recompute."""
-    from parity.kernels import RecomputeAttention
 
     return RecomputeAttention.apply(q, k, v, q_seq, q_pos, scale, attention_forward, attention_reference)

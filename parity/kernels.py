@@ -31,6 +31,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from parity.autograd import InvariantLinear, RecomputeAttention
+
 # Rows per GEMM call. 16 keeps one-token decode cheap (a padded tile of 16 rows still streams
 # the weight once) while giving MKL a real GEMM shape.
 TILE_ROWS = 64
@@ -98,7 +100,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Invariant because: rows are zero-padded to whole tiles and each GEMM call gets exactly
     TILE_ROWS rows, so MKL/oneDNN always pick the same kernel and K-order for a given weight;
     within a tile a row's result does not depend on its position or its neighbours (checked in
-    tests/test_kernels.py). Gradients (training only) come from plain GEMMs: they need not be
+    tests/unit/test_kernels.py). Gradients (training only) come from plain GEMMs: they need not be
     bitwise reproducible across batch shapes, only correct.
     """
     if x.is_cuda:
@@ -123,26 +125,6 @@ def _linear_tiles(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     wt = weight.contiguous().t()
     out = torch.cat([tile @ wt for tile in rows.split(TILE_ROWS)])[:m]
     return out.view(*x.shape[:-1], weight.shape[0])
-
-
-class InvariantLinear(torch.autograd.Function):
-    """A linear whose forward is an invariant kernel (`forward_fn(x, weight)`) and whose
-    gradients are plain GEMMs (they need only be correct). Shared by the CPU tiles here and
-    the CUDA kernel in parity/cuda.py."""
-
-    @staticmethod
-    def forward(ctx, x, weight, forward_fn):
-        ctx.save_for_backward(x, weight)
-        return forward_fn(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return grad_x, grad_w, None
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -180,11 +162,16 @@ def rope_table(head_dim: int, base: float, max_positions: int) -> tuple[torch.Te
     """fp32 cos/sin tables [max_positions, head_dim // 2].
 
     Invariant because: the table's shape is fixed by the model config, so both engines build
-    the same bits once and then only index it by position.
+    the same bits once and then only index it by position. Always built on the CPU, whatever
+    the ambient `torch.device(...)` context: vLLM constructs its model under a CUDA device
+    context and Megatron on the CPU, and a GPU's cos/sin differ from the CPU's in thousands of
+    entries (the H200 parity mismatch). Callers move the table where they compute.
     """
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    cpu = torch.device("cpu")
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
     inv_freq = 1.0 / (base**exponent)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv_freq)
+    positions = torch.arange(max_positions, dtype=torch.int64, device=cpu).float()
+    freqs = torch.outer(positions, inv_freq)
     return pointwise(torch.cos, freqs), pointwise(torch.sin, freqs)
 
 
@@ -211,7 +198,7 @@ def _entry_bmm(a: torch.Tensor, b: torch.Tensor, entries: int) -> torch.Tensor:
     ([g, D] x [D, KV_BLOCK] for scores, [g, KV_BLOCK] x [KV_BLOCK, D] for values), both operands
     made contiguous in the same layout on every call; torch's CPU bmm computes entries
     independently with a kernel chosen by the entry shape, so an entry's bits do not depend on
-    how many entries share the call (checked in tests/test_kernels.py)."""
+    how many entries share the call (checked in tests/unit/test_kernels.py)."""
     shape = a.shape[:-1] + b.shape[-1:]
     out = torch.bmm(
         a.reshape(entries, *a.shape[-2:]).contiguous(), b.reshape(entries, *b.shape[-2:]).contiguous()
@@ -295,29 +282,6 @@ def _attention_reference(
     mask = torch.arange(length).unsqueeze(0) > q_pos.unsqueeze(1)  # [nq, L]
     probs = scores.masked_fill(mask[:, None, :], -math.inf).softmax(-1)
     return torch.einsum("nhl,nlhd->nhd", probs, vq).to(q.dtype)
-
-
-class RecomputeAttention(torch.autograd.Function):
-    """Attention whose forward is an invariant kernel and whose gradients come from a dense
-    differentiable reference, recomputed in backward (gradients need only be correct).
-    Shared by the CPU kernel here and the CUDA kernel in parity/cuda.py."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, q_seq, q_pos, scale, forward_fn, reference_fn):
-        ctx.save_for_backward(q, k, v, q_seq, q_pos)
-        ctx.scale, ctx.reference_fn = scale, reference_fn
-        with torch.no_grad():
-            return forward_fn(q, k, v, q_seq, q_pos, scale)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, q_seq, q_pos = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-            out = ctx.reference_fn(*inputs, q_seq, q_pos, ctx.scale)
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
-        return (*(next(grads) if t.requires_grad else None for t in inputs), *([None] * 5))
 
 
 def attention_scale(head_dim: int) -> float:

@@ -6,7 +6,23 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+# The one architecture registry: the name users type (`--arch`) -> the HF architecture that
+# config.json names. Everything else (the spec class, vLLM's parity model, the trainer's GPT
+# build) is keyed by these.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "kimi-mini": "KimiMiniForCausalLM"}
+KIMI_ARCHITECTURE = ARCHITECTURES["kimi-mini"]
+# The dense architectures ModelSpec describes, HF name -> ModelSpec.arch.
+SUPPORTED_ARCHITECTURES = {hf: name for name, hf in ARCHITECTURES.items() if hf != KIMI_ARCHITECTURE}
+
+
+def parity_architecture(hf_architecture: str) -> str:
+    """The name vLLM registers the parity implementation of an HF architecture under."""
+    if hf_architecture not in ARCHITECTURES.values():
+        raise ValueError(
+            f"no parity model for architecture {hf_architecture!r} "
+            f"(supported: {sorted(ARCHITECTURES.values())})"
+        )
+    return f"KimiRLParity{hf_architecture}"
 
 
 @dataclass(frozen=True)
@@ -60,7 +76,6 @@ class ModelSpec:
         return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
-KIMI_ARCHITECTURE = "KimiMiniForCausalLM"
 LAYER_TYPES = ("kda", "mla")
 
 

@@ -1,5 +1,9 @@
-"""The user-facing layer of kimi-rl: the `kimi-rl` command line, model creation (random tiny
-checkpoints and the SmolLM2 import), configuration, PPO math, data and rewards, the weight-sync hooks, Ray set-up, metrics and the
-driver loop. Everything
-here talks to the rollout side (`rollout/`) and the trainer side (`trainer/`) only through
-their public functions, so the whole algorithm can be read top to bottom in this package."""
+"""The user-facing layer of kimi-rl, the only package that drives both sides: the `kimi-rl`
+command line, model creation (random tiny checkpoints and the SmolLM2 import), the whole config
+(`config.py` combines the sections that live next to their owners), data and rewards, the
+weight-sync hooks, Ray set-up, metrics, the parity checker and its report, and the driver loop
+(`loop.py`, top to bottom). Errors from below arrive as plain exceptions; this package turns
+them into the one-line `UserError` the CLI prints.
+
+Imports: parity/, rollout/, trainer/.
+"""

@@ -24,7 +24,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from parity.checker import add_parity_commands
+    from rl.checker import add_parity_commands
     from rl.loop import add_train_commands
     from rl.models import add_model_commands
 

@@ -27,19 +27,25 @@ from typing import Any, Literal
 
 import yaml
 
+from parity.settings import setting
 from rl.errors import UserError
-
-LORA_MODULES = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "kv_a_proj_with_mqa", "kv_b_proj",  # kimi-mini's MLA projections only
+from rollout.config import RolloutConfig
+from trainer.config import (
+    KIMI_ONLY_LORA_MODULES,
+    LORA_MODULES,
+    AlgorithmConfig,
+    CheckpointConfig,
+    LoraConfig,
+    TrainerConfig,
 )
-_KIMI_ONLY_MODULES = ("kv_a_proj_with_mqa", "kv_b_proj")
-BUILTIN_HOOKS = ("checksum", "timing", "parity_probe")
-LoraModule = Literal[
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "kv_a_proj_with_mqa", "kv_b_proj",
+
+__all__ = [
+    "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig",
+    "LoraConfig", "ModelConfig", "RayConfig", "RewardConfig", "RolloutConfig", "SyncConfig",
+    "TrainerConfig", "dump_config", "load_config", "resolve_callable",
 ]
 
+BUILTIN_HOOKS = ("checksum", "timing", "parity_probe")
 # "package.module:attr.sub": user code is imported only from a name spelled out like this.
 _CALLABLE_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 # PyYAML follows YAML 1.1, where `1e-4` (no dot) is a string, not a float; float fields accept it.
@@ -50,90 +56,29 @@ class ConfigError(UserError):
     """A bad config file or override; the message is one line naming the source and the key."""
 
 
-def _field(default: Any = MISSING, *, ge: float | None = None, gt: float | None = None,
-           le: float | None = None, lt: float | None = None, path: bool = False) -> Any:
-    """A dataclass field whose bounds (checked on each element of a tuple) and path-ness
-    `load_config` enforces; without `default` the key is required."""
-    return field(default=default, metadata=dict(ge=ge, gt=gt, le=le, lt=lt, path=path))
-
-
 @dataclass
 class ModelConfig:
-    path: str = _field(path=True)  # a Hugging Face checkpoint directory (has config.json)
+    path: str = setting(path=True)  # a Hugging Face checkpoint directory (has config.json)
     dtype: Literal["fp32", "bf16"] = "fp32"  # the same dtype on the rollout and trainer side
 
 
 @dataclass
 class RayConfig:
     address: str | None = None  # None starts a local cluster for this run
-    num_cpus: int | None = _field(None, ge=1)  # None lets Ray count the cores
+    num_cpus: int | None = setting(None, ge=1)  # None lets Ray count the cores
     dashboard: bool = False
     # None means <run_dir>/ray: Ray's temp and auth files must stay out of the user's home.
-    temp_dir: str | None = _field(None, path=True)
-
-
-@dataclass
-class RolloutConfig:
-    num_workers: int = _field(1, ge=1)
-    samples_per_prompt: int = _field(4, ge=1)
-    max_tokens: int = _field(32, ge=1)
-    temperature: float = _field(1.0, gt=0)  # greedy decoding has no log-prob to train on
-    max_num_seqs: int = _field(64, ge=1)
-    max_num_batched_tokens: int | None = _field(None, ge=1)  # None keeps vLLM's default
-    tensor_parallel_size: int = _field(1, ge=1)
-
-
-@dataclass
-class TrainerConfig:
-    tensor_parallel_size: int = _field(1, ge=1)
-    optimizer: Literal["adamw", "deepspeed_cpu_adam"] = "adamw"
-    lr: float = _field(1e-4, gt=0)
-    weight_decay: float = _field(0.0, ge=0)
-    betas: tuple[float, float] = _field((0.9, 0.999), ge=0, lt=1)
-    eps: float = _field(1e-8, gt=0)
-    grad_clip: float = _field(1.0, ge=0)  # max gradient norm; 0 disables clipping
-    micro_batch_size: int = _field(8, ge=1)
-
-
-@dataclass
-class LoraConfig:
-    enabled: bool = True
-    rank: int = _field(8, ge=1)
-    alpha: float = _field(16.0, gt=0)
-    dropout: float = 0.0  # must stay 0.0: see _check
-    # Default: every projection of the dense models (on kimi-mini: those of KDA, MLA's q / o,
-    # and the routed and shared experts' FFNs); add kv_a_proj_with_mqa / kv_b_proj for MLA.
-    target_modules: list[LoraModule] = field(default_factory=lambda: list(LORA_MODULES[:7]))
-
-
-@dataclass
-class AlgorithmConfig:
-    name: Literal["ppo", "grpo", "rloo"] = "grpo"
-    gamma: float = _field(1.0, ge=0, le=1)  # gamma and lam: GAE, used by ppo only
-    lam: float = _field(0.95, ge=0, le=1)
-    clip_eps: float = _field(0.2, gt=0)
-    value_clip_eps: float = _field(0.2, gt=0)
-    vf_coef: float = _field(0.5, ge=0)
-    ppo_epochs: int = _field(1, ge=1)
-    minibatches: int = _field(1, ge=1)
-    kl_coef: float = _field(0.0, ge=0)  # 0 turns the KL penalty (and the reference model) off
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_mode: Literal["reward", "loss"] = "loss"
-    entropy_coef: float = _field(0.0, ge=0)
-    # Importance-sampling correction for rollout/trainer log-prob mismatch; parity: false only.
-    is_correction: Literal["none", "tis", "mis"] = "none"
-    is_cap: float = _field(2.0, ge=1)  # a cap below 1 would truncate or mask on-policy tokens
-    critic_lr: float | None = _field(None, gt=0)  # None: the critic uses trainer.lr
+    temp_dir: str | None = setting(None, path=True)
 
 
 @dataclass
 class DataConfig:
     source: Literal["builtin", "jsonl", "reasoning_gym"] = "builtin"
-    path: str | None = _field(None, path=True)  # the .jsonl file, for source jsonl
+    path: str | None = setting(None, path=True)  # the .jsonl file, for source jsonl
     task: str | None = None  # reasoning-gym dataset name, e.g. basic_arithmetic
     task_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reasoning-gym dataset
-    size: int = _field(256, ge=1)
-    prompts_per_step: int = _field(8, ge=1)
+    size: int = setting(256, ge=1)
+    prompts_per_step: int = setting(8, ge=1)
     shuffle: bool = True
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
 
@@ -148,8 +93,8 @@ class RewardConfig:
 class SyncConfig:
     # Run around each trainer -> rollout weight sync: built-in names or "module:attr".
     hooks: list[str] = field(default_factory=lambda: ["checksum", "timing"])
-    bucket_mb: int = _field(64, ge=1)
-    parity_probe_prompts: int = _field(4, ge=1)
+    bucket_mb: int = setting(64, ge=1)
+    parity_probe_prompts: int = setting(4, ge=1)
 
 
 @dataclass
@@ -158,22 +103,14 @@ class LoggingConfig:
     project: str = "kimi-rl"
     console: bool = True
     plot: bool = True
-    log_every: int = _field(1, ge=1)
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = _field(0, ge=0)  # in steps; 0 saves only at the end
-    keep: int = _field(2, ge=1)
-    resume_from: str | None = _field(None, path=True)
 
 
 @dataclass
 class Config:
-    run_dir: str = _field(path=True)  # everything a run writes goes under it
-    total_steps: int = _field(ge=1)
+    run_dir: str = setting(path=True)  # everything a run writes goes under it
+    total_steps: int = setting(ge=1)
     model: ModelConfig  # required: model.path has no default
-    seed: int = _field(0, ge=0)
+    seed: int = setting(0, ge=0)
     # Rollout and trainer compute bit-identical log-probs; false allows is_correction instead.
     parity: bool = True
     ray: RayConfig = field(default_factory=RayConfig)
@@ -387,9 +324,10 @@ def _check(cfg: Config, sources: _Sources) -> None:
         raise err("model.path", f"no such model directory: {model_dir}")
     if not (model_dir / "config.json").is_file():
         raise err("model.path", f"{model_dir} has no config.json (not a Hugging Face model)")
-    if cfg.lora.dropout != 0.0:
-        raise err("lora.dropout", "must be 0.0: dropout would make the rollout and the trainer "
-                  "compute different functions, so their log-probs could not match")
+    for i, module in enumerate(cfg.lora.target_modules):
+        if module not in LORA_MODULES:
+            raise err(f"lora.target_modules[{i}]", f"expected one of {', '.join(LORA_MODULES)}; "
+                      f"got {module!r}")
     tp_rollout, tp_trainer = cfg.rollout.tensor_parallel_size, cfg.trainer.tensor_parallel_size
     if cfg.parity and tp_rollout != tp_trainer:
         # Name the key the file (or an override) sets, so the message carries its line.
@@ -418,7 +356,7 @@ def _check(cfg: Config, sources: _Sources) -> None:
                       "as parity implementations (there is no stock vLLM / Megatron version)")
     elif cfg.lora.enabled:
         for module in cfg.lora.target_modules:
-            if module in _KIMI_ONLY_MODULES:
+            if module in KIMI_ONLY_LORA_MODULES:
                 raise err("lora.target_modules", f"{module!r} exists in kimi-mini's MLA layers only, "
                           f"not in {architectures[0]}")
     if cfg.algorithm.is_correction != "none" and cfg.parity:

@@ -26,7 +26,7 @@ import torch
 
 from parity.compare import compare_logprobs
 from rl.config import Config, dump_config
-from rl.errors import UserError
+from rl.errors import UserError, user_error
 from rl.metrics import MetricsLog, Wandb, plot_curves
 
 
@@ -112,7 +112,10 @@ class Run:
             ray.remote(TrainerWorker)
             .options(num_cpus=1, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=n),
                      runtime_env=env)
-            .remote(cfg)
+            .remote(
+                cfg.model.path, cfg.model.dtype, parity=cfg.parity, lora=cfg.lora,
+                trainer=cfg.trainer, algorithm=cfg.algorithm, seed=cfg.seed,
+            )
         )
         max_len = self._max_model_len()
         self._make_worker = lambda i: (
@@ -150,7 +153,7 @@ class Run:
         merged in, the way other frameworks hand a LoRA policy to vLLM."""
         import ray
 
-        from rollout.wire import unpack_tensors
+        from parity.wire import unpack_tensors
 
         cfg = self.cfg
         scaling = ray.get(self.trainer.lora_scaling.remote()) or 1.0
@@ -167,7 +170,7 @@ class Run:
     def resync_worker(self, index: int) -> None:
         import ray
 
-        from rollout.wire import pack_tensors
+        from parity.wire import pack_tensors
 
         kind, tensors, scaling = self.policy_tensors()
         worker, packed = self.workers[index], pack_tensors(tensors)
@@ -195,8 +198,8 @@ def make_sync(run: Run, cfg: Config, probe: list[list[int]]):
     """The WeightSync of this run: hooks from the config, pushes to the Ray actors."""
     import ray
 
+    from parity.wire import pack_tensors
     from rl.sync import ParityProbeHook, WeightSync, build_hooks
-    from rollout.wire import pack_tensors
 
     def push_adapter(tensors, scaling, checksums):
         ref, sent = run.packed_adapter
@@ -239,9 +242,12 @@ def train(cfg: Config, console=None) -> Path:
     run_dir = Path(cfg.run_dir)
     resume_dir = Path(cfg.checkpoint.resume_from) if cfg.checkpoint.resume_from else None
     if resume_dir is not None:
-        from trainer.checkpoint import read_checkpoint_state
+        from trainer.checkpoint import CheckpointError, read_checkpoint_state
 
-        resumed = read_checkpoint_state(resume_dir)  # UserError now, not after Ray started
+        try:
+            resumed = read_checkpoint_state(resume_dir)  # checked now, not after Ray started
+        except CheckpointError as e:
+            raise user_error(e) from None
         run_dir = Path(resumed["path"]).parent.parent  # <run_dir>/checkpoints/step_N
     else:
         resumed = None
@@ -268,7 +274,12 @@ def train(cfg: Config, console=None) -> Path:
     run = Run(cfg)
     try:
         if resumed is not None:
-            ray.get(run.trainer.load_checkpoint.remote(str(resumed["path"])))
+            from trainer.checkpoint import CheckpointError
+
+            try:
+                ray.get(run.trainer.load_checkpoint.remote(str(resumed["path"])))
+            except CheckpointError as e:
+                raise user_error(e) from None
         probe = [format_prompt(s, pre.tokenizer, cfg.data.chat_template)
                  for s in pre.samples[: cfg.sync.parity_probe_prompts]]
         weight_sync = make_sync(run, cfg, probe)

@@ -21,13 +21,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parity.dtypes import DTYPES, dtype_string, torch_dtype
+from parity.model_spec import ARCHITECTURES
 from rl.errors import UserError
 
 if TYPE_CHECKING:  # transformers takes seconds to import; only the functions that need it do
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "kimi-mini": "KimiMiniForCausalLM"}
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 # Shapes of the random-init presets. head_dim is written explicitly so that code reading
 # config.json never has to derive it from hidden_size / num_attention_heads.
@@ -302,7 +302,7 @@ def _edit_json(path: Path, set_keys: dict[str, Any], drop_keys: Iterable[str] = 
 def _finish_config(model_dir: Path, dtype: str) -> None:
     # transformers 5 writes the dtype as `dtype`; older readers look for `torch_dtype`. Write
     # both so every reader of config.json agrees.
-    _edit_json(model_dir / "config.json", {"dtype": DTYPES[dtype], "torch_dtype": DTYPES[dtype]})
+    _edit_json(model_dir / "config.json", {"dtype": dtype_string(dtype), "torch_dtype": dtype_string(dtype)})
 
 
 def _check_choice(what: str, value: str, choices: Iterable[str]) -> None:
@@ -311,10 +311,9 @@ def _check_choice(what: str, value: str, choices: Iterable[str]) -> None:
 
 
 def _torch_dtype(dtype: str) -> Any:
-    import torch
 
     _check_choice("dtype", dtype, DTYPES)
-    return getattr(torch, DTYPES[dtype])
+    return torch_dtype(dtype)
 
 
 # --- random-init checkpoints --------------------------------------------------------------------
@@ -421,7 +420,7 @@ def _init_kimi(
             {k: v.to(torch_dtype).contiguous() for k, v in weights.items()},
             str(tmp / "model.safetensors"), metadata={"format": "pt"},
         )
-        config.update(dtype=DTYPES[dtype], torch_dtype=DTYPES[dtype])
+        config.update(dtype=dtype_string(dtype), torch_dtype=dtype_string(dtype))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         eos = [tokenizer.convert_tokens_to_ids(IM_END), config["eos_token_id"]]
         generation = dict(bos_token_id=config["bos_token_id"], eos_token_id=eos, pad_token_id=config["pad_token_id"])
@@ -533,7 +532,7 @@ def import_smollm2(out_dir: str | Path, dtype: str = "bf16", *, force: bool = Fa
             eos_token_id=config.eos_token_id,
             pad_token_id=config.pad_token_id,
         )
-        step(f"writing model.safetensors ({DTYPES[dtype]}) ...")
+        step(f"writing model.safetensors ({dtype_string(dtype)}) ...")
         with _no_hf_progress_bars():
             model.to(torch_dtype).save_pretrained(tmp)
         _finish_config(tmp, dtype)

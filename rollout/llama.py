@@ -35,12 +35,12 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from parity import kernels, layouts, tp
+from parity import kernels, layouts, tp, weights
 from parity.compare import tensor_checksum
 from parity.lora import FUSED_PARTS, TARGETS, Pair, fused_delta, part_shapes, peft_key
 from parity.model_spec import ModelSpec
+from parity.wire import Index, as_bytes_tensor, unpack_tensors
 from rollout.attention import ParityAttentionBackend
-from rollout.wire import Index, as_bytes_tensor, unpack_tensors
 
 
 class _Weight(nn.Module):
@@ -223,18 +223,6 @@ class ParityModel(nn.Module):
         return kernels.rms_norm(x, self.norm.weight, self.spec.rms_norm_eps)
 
 
-# HF checkpoint names -> (kind, layer index, part).
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_DIRECT = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-    "self_attn.o_proj.weight": "self_attn.o_proj.weight",
-    "mlp.down_proj.weight": "mlp.down_proj.weight",
-    "self_attn.q_norm.weight": "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight": "self_attn.k_norm.weight",
-}
-_QKV = {"self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v"}
-_GATE_UP = {"mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up"}
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.(cos|sin)_cached$")
 # peft's LoRA names (parity.lora.peft_key): layer, target, "A" | "B".
 _PEFT_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight$")
@@ -268,7 +256,8 @@ def check_hf_weights(spec: ModelSpec, named: dict[str, torch.Tensor]) -> None:
     vLLM's reload moves the parameters to the meta device first, so a load_weights that fails
     half-way would leave the model without weights."""
     shapes = hf_weight_shapes(spec)
-    groups: dict[tuple[int, str], set[str]] = {}
+    fused_of = {n: w for w in weights.weight_map(spec) if w.pack for n in w.hf}
+    groups: dict[str, set[str]] = {}
     for name, tensor in named.items():
         if _IGNORED.search(name):
             continue
@@ -276,13 +265,12 @@ def check_hf_weights(spec: ModelSpec, named: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"unexpected weight {name!r}")
         if tuple(tensor.shape) != shapes[name]:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {shapes[name]}")
-        if (m := _LAYER_RE.match(name)) and (m[2] in _QKV or m[2] in _GATE_UP):
-            kind = "qkv" if m[2] in _QKV else "gate_up"
-            groups.setdefault((int(m[1]), kind), set()).add(m[2])
-    for (i, kind), parts in sorted(groups.items()):
-        wanted = set(_QKV if kind == "qkv" else _GATE_UP)
+        if name in fused_of:
+            groups.setdefault(fused_of[name].rollout, set()).add(name)
+    for fused, parts in sorted(groups.items()):
+        wanted = {n for n in fused_of if fused_of[n].rollout == fused}
         if parts != wanted:
-            raise ValueError(f"layer {i}: {sorted(wanted - parts)} missing, fused with {sorted(parts)}")
+            raise ValueError(f"{fused}: {sorted(wanted - parts)} missing, fused with {sorted(parts)}")
 
 
 def adapter_pairs(
@@ -364,7 +352,9 @@ class ParityLlamaForCausalLM(nn.Module):
             self.lm_head = _Weight(
                 self.spec.vocab_size // self.tp_size, self.spec.hidden_size, dtype=self.dtype
             )
-        self._pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}  # fused name -> parts so far
+        self._from_hf = {n: w for w in weights.weight_map(self.spec) for n in w.hf}
+        self._shard_kinds = weights.shard_kinds(self.spec, "rollout")
 
     def _check_spec(self, spec: ModelSpec) -> None:
         if spec.qk_norm:
@@ -405,29 +395,15 @@ class ParityLlamaForCausalLM(nn.Module):
 
     # --- tensor parallelism: full tensors <-> this rank's shards ------------------------------
 
-    @staticmethod
-    def _shard_kind(name: str) -> str | None:
-        if name.endswith(("qkv_proj.weight", "lm_head.weight")):
-            return "rows"
-        if name.endswith("gate_up_proj.weight"):
-            return "gate_up"
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            return "cols"
-        return None  # replicated
+    def _shard_kind(self, name: str) -> weights.Shard:
+        return self._shard_kinds.get(name) if self.tp_size > 1 else None
 
     def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full (TP=1-layout) parameter tensor."""
-        kind = self._shard_kind(name) if self.tp_size > 1 else None
-        if kind == "rows":
-            return tp.shard_rows(full, self.tp_rank, self.tp_size)
-        if kind == "cols":
-            return tp.shard_cols(full, self.tp_rank, self.tp_size)
-        if kind == "gate_up":
-            return tp.shard_gate_up(full, self.tp_rank, self.tp_size)
-        return full
+        return weights.shard_tensor(full, self._shard_kind(name), self.tp_rank, self.tp_size)
 
     def _full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
-        kind = self._shard_kind(name) if self.tp_size > 1 else None
+        kind = self._shard_kind(name)
         shape = list(param.shape)
         if kind in ("rows", "gate_up"):
             shape[0] *= self.tp_size
@@ -438,22 +414,20 @@ class ParityLlamaForCausalLM(nn.Module):
     def _full(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """The full tensor of a held parameter (an exact all-gather of the ranks' shards; a
         collective: every worker runs it, as collective_rpc calls every worker)."""
-        kind = self._shard_kind(name) if self.tp_size > 1 else None
+        kind = self._shard_kind(name)
         if kind is None:
             return param
         from vllm.distributed import tensor_model_parallel_all_gather
 
         parts = list(tensor_model_parallel_all_gather(param.detach().unsqueeze(0), dim=0))
-        if kind == "gate_up":
-            return tp.unshard_gate_up(parts)
-        return torch.cat(parts, dim=0 if kind == "rows" else 1)
+        return weights.unshard_tensor(parts, kind)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """named_parameters() with every shard gathered back to the full tensor."""
         for name, param in self.named_parameters():
             yield name, self._full(name, param)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into the fused parameters (in place, so it also
         serves vLLM's reload_weights). q/k/v and gate/up are packed once all parts of a layer
         have arrived. Returns the names of the parameters written."""
@@ -475,43 +449,21 @@ class ParityLlamaForCausalLM(nn.Module):
                 loader(param, tensor)
             loaded.add(name)
 
-        s = self.spec
-        for name, tensor in weights:
+        for name, tensor in named_tensors:
             if _IGNORED.search(name):
                 continue
-            if name == "model.embed_tokens.weight":
-                put("model.embed_tokens.weight", tensor)
-            elif name == "model.norm.weight":
-                put("model.norm.weight", tensor)
-            elif name == "lm_head.weight":
-                if not s.tie_word_embeddings:
-                    put("lm_head.weight", tensor)
-            elif m := _LAYER_RE.match(name):
-                i, rest = int(m.group(1)), m.group(2)
-                base = f"model.layers.{i}."
-                if rest in _DIRECT and base + _DIRECT[rest] in params:
-                    put(base + _DIRECT[rest], tensor)
-                elif rest in _QKV:
-                    parts = self._pending.setdefault((i, "qkv"), {})
-                    parts[_QKV[rest]] = tensor
-                    if len(parts) == 3:
-                        del self._pending[(i, "qkv")]
-                        put(
-                            base + "self_attn.qkv_proj.weight",
-                            layouts.pack_qkv(parts["q"], parts["k"], parts["v"], s.num_kv_heads),
-                        )
-                elif rest in _GATE_UP:
-                    parts = self._pending.setdefault((i, "gate_up"), {})
-                    parts[_GATE_UP[rest]] = tensor
-                    if len(parts) == 2:
-                        del self._pending[(i, "gate_up")]
-                        put(base + "mlp.gate_up_proj.weight", layouts.pack_gate_up(parts["gate"], parts["up"]))
-                else:
-                    raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            else:
+            if name not in self._from_hf:
                 raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            w = self._from_hf[name]
+            if w.rollout not in params:  # lm_head of a tied checkpoint: the embedding serves
+                continue
+            parts = self._pending.setdefault(w.rollout, {})
+            parts[name] = tensor
+            if len(parts) == len(w.hf):  # every part of a fused tensor has arrived
+                del self._pending[w.rollout]
+                put(w.rollout, weights.pack(w, [parts[n] for n in w.hf], self.spec))
         if self._pending:
-            incomplete = {f"layer {i} {kind}: has {sorted(p)}" for (i, kind), p in self._pending.items()}
+            incomplete = {f"{fused}: has {sorted(p)}" for fused, p in self._pending.items()}
             self._pending.clear()
             raise ValueError(f"incomplete fused weights in checkpoint: {sorted(incomplete)}")
         return loaded
@@ -519,25 +471,8 @@ class ParityLlamaForCausalLM(nn.Module):
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The held weights under their HF checkpoint names: the inverse of load_weights
         (fused tensors are unpacked, which moves bytes and changes none)."""
-        s = self.spec
         params = dict(self.full_parameters())
-        yield "model.embed_tokens.weight", params["model.embed_tokens.weight"]
-        for i in range(s.num_layers):
-            base = f"model.layers.{i}."
-            for name in _DIRECT:
-                if base + name in params:
-                    yield base + name, params[base + name]
-            qkv = layouts.unpack_qkv(
-                params[base + "self_attn.qkv_proj.weight"], s.num_heads, s.num_kv_heads, s.head_dim
-            )
-            for name, tensor in zip(_QKV, qkv, strict=True):
-                yield base + name, tensor
-            gate_up = layouts.unpack_gate_up(params[base + "mlp.gate_up_proj.weight"])
-            for name, tensor in zip(_GATE_UP, gate_up, strict=True):
-                yield base + name, tensor
-        yield "model.norm.weight", params["model.norm.weight"]
-        if not s.tie_word_embeddings:
-            yield "lm_head.weight", params["lm_head.weight"]
+        yield from weights.to_hf(params, self.spec, "rollout").items()
 
     def update_params_packed(self, flat, index: Index) -> None:
         """Full-weight sync in the wire format, by this model's own parameter names and fused
@@ -591,7 +526,7 @@ class ParityLlamaForCausalLM(nn.Module):
                 linear.hold(mine, float(scaling))
 
     def set_adapter_packed(self, flat, index: Index, scaling: float) -> None:
-        """set_adapter for the sync wire format (rollout.wire): the adapter as one byte buffer
+        """set_adapter for the sync wire format (parity.wire): the adapter as one byte buffer
         plus an index. The model then holds one buffer in the same layout, every A and B a view
         into it, so a later sync with the same index is a single copy of the bytes."""
         incoming = as_bytes_tensor(flat)

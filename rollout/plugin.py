@@ -3,22 +3,18 @@
 vLLM calls `register()` in every process it starts (the caller, EngineCore, workers). It only
 registers the parity architectures, lazily by qualified name, so nothing heavy is imported until
 vLLM actually builds a parity model. Stock architectures are untouched: a parity model is chosen
-per engine with `hf_overrides={"architectures": [PARITY_ARCHITECTURES[arch]]}`.
+per engine with `hf_overrides={"architectures": [parity_architecture(arch)]}`.
 """
 
 from __future__ import annotations
 
-# HF architecture -> the parity architecture name registered with vLLM.
-PARITY_ARCHITECTURES = {
-    "LlamaForCausalLM": "KimiRLParityLlamaForCausalLM",
-    "Qwen3ForCausalLM": "KimiRLParityQwen3ForCausalLM",
-    "KimiMiniForCausalLM": "KimiRLParityKimiMiniForCausalLM",
-}
+from parity.model_spec import ARCHITECTURES, parity_architecture
 
+# The vLLM model class of each architecture in the registry (parity.model_spec.ARCHITECTURES).
 _MODEL_CLASSES = {
-    "KimiRLParityLlamaForCausalLM": "rollout.llama:ParityLlamaForCausalLM",
-    "KimiRLParityQwen3ForCausalLM": "rollout.qwen3:ParityQwen3ForCausalLM",
-    "KimiRLParityKimiMiniForCausalLM": "rollout.kimi:ParityKimiMiniForCausalLM",
+    "llama": "rollout.llama:ParityLlamaForCausalLM",
+    "qwen3": "rollout.qwen3:ParityQwen3ForCausalLM",
+    "kimi-mini": "rollout.kimi:ParityKimiMiniForCausalLM",
 }
 
 
@@ -27,11 +23,12 @@ def register() -> None:
     from vllm import ModelRegistry
 
     supported = set(ModelRegistry.get_supported_archs())
-    for arch, qualname in _MODEL_CLASSES.items():
+    for name, qualname in _MODEL_CLASSES.items():
+        arch = parity_architecture(ARCHITECTURES[name])
         if arch not in supported:
             ModelRegistry.register_model(arch, qualname)
     # kimi-mini's model_type is unknown to transformers; vLLM loads configs through AutoConfig
     # (in the caller's process, before any EngineCore unpickles the config).
-    from rollout.kimi import register_config
+    from parity.hf_config import register_hf_config
 
-    register_config()
+    register_hf_config()

@@ -13,8 +13,8 @@ import os
 import numpy as np
 import torch
 
+from parity.wire import Index, unpack_tensors
 from rollout.engine import RolloutEngine
-from rollout.wire import Index, unpack_tensors
 
 
 def _set_threads() -> None:
@@ -55,13 +55,13 @@ class RolloutWorker:
     def sync_adapter(
         self, packed: tuple[np.ndarray, Index], scaling: float, checksums: bool = True
     ) -> dict[str, str]:
-        """Hold this adapter (rollout.wire form) from now on; returns the checksums of what the
+        """Hold this adapter (parity.wire form) from now on; returns the checksums of what the
         model now holds (or {} with checksums=False: hashing costs more than the copy)."""
         self.engine.set_adapter_packed(*packed, scaling)
         return self.engine.adapter_checksums() if checksums else {}
 
     def sync_weights(self, packed: tuple[np.ndarray, Index], checksums: bool = True) -> dict[str, str]:
-        """Full-weight sync of one bucket (rollout.wire form); returns the checksums of the
+        """Full-weight sync of one bucket (parity.wire form); returns the checksums of the
         tensors it now holds under the bucket's names. A parity engine takes its own fused
         parameters (a copy each); a stock engine takes HF names through vLLM's reload."""
         if not self.engine.parity:

@@ -73,10 +73,10 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from parity.model_spec import ModelSpec
+    from parity.wire import pack_tensors
     from rl.cluster import start_ray
     from rl.config import RayConfig
     from rollout.engine import RolloutEngine
-    from rollout.wire import pack_tensors
     from rollout.worker import RolloutWorker
 
     ap = argparse.ArgumentParser(description=__doc__)

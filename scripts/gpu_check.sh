@@ -58,14 +58,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,n
 $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 
 if has tests; then
-    stage tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py
+    stage tests 150 $PY -m pytest -q -p no:cacheprovider tests/unit/test_cuda_kernels.py
 fi
 if has bench; then
     stage bench 170 $PY scripts/bench_gpu.py --skip-trainer --out "$OUT_DIR/bench_gpu.json"
 fi
 if has trainer; then
     stage trainer 100 $PY scripts/bench_gpu.py --only trainer --out "$OUT_DIR/trainer_gpu.json"
-    stage trainer_tests 70 $PY -m pytest -q -p no:cacheprovider tests/test_trainer.py tests/test_megatron_patches.py
+    stage trainer_tests 70 $PY -m pytest -q -p no:cacheprovider tests/integration/test_trainer.py tests/integration/test_megatron_patches.py
 fi
 if has vllm; then
     MODEL=${MODEL:-/tmp/kimi-models/tiny-llama}

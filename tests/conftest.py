@@ -1,10 +1,24 @@
-"""Shared fixtures: tiny checkpoints built once per session, and the Megatron process state."""
+"""Shared fixtures: tiny checkpoints built once per session, and the Megatron process state.
+
+Tests live in two folders, each marked by its folder: `tests/unit` (no engine: kernels, math,
+config, data; `pytest -m unit`, about a minute) and `tests/integration` (real vLLM, Megatron and
+Ray; `pytest -m integration`)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+_FOLDER_MARKS = ("unit", "integration")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = item.path.parts
+        for mark in _FOLDER_MARKS:
+            if mark in parts:
+                item.add_marker(getattr(pytest.mark, mark))
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from rl.errors import UserError
 from trainer.lora import peft_config, save_peft
 from trainer.policy import PolicyTrainer
 
@@ -33,6 +32,12 @@ STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 # Files of an HF checkpoint dir that carry weights (replaced by the trained ones on export).
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth")
+
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt or does not fit the trainer; the message names
+    the path and what is wrong (rl/ shows it to the user as one line)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -124,7 +129,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """The step dir that `path` names: a step dir, a run dir or its checkpoints/ (via latest)."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{path}: no such checkpoint")
+        raise CheckpointError(f"{path}: no such checkpoint")
     if (path / "state.json").exists() or (path / "trainer.pt").exists():
         return path
     for root in (path / "checkpoints", path):
@@ -133,9 +138,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
             name = latest.read_text().strip()
             step = root / name
             if not name or not step.is_dir():
-                raise UserError(f"{latest}: names {name!r}, which is not a checkpoint dir in {root}")
+                raise CheckpointError(f"{latest}: names {name!r}, which is not a checkpoint dir in {root}")
             return step
-    raise UserError(f"{path}: not a checkpoint (no state.json) and no checkpoints/latest under it")
+    raise CheckpointError(f"{path}: not a checkpoint (no state.json) and no checkpoints/latest under it")
 
 
 def read_checkpoint_state(path: str | Path) -> dict[str, Any]:
@@ -149,7 +154,7 @@ def read_checkpoint_state(path: str | Path) -> dict[str, Any]:
         if not (step / "trainer.pt").is_file():
             raise FileNotFoundError("no trainer.pt")
     except (OSError, ValueError) as e:
-        raise UserError(f"{step}: corrupt or incomplete checkpoint ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{step}: corrupt or incomplete checkpoint ({type(e).__name__}: {e})") from None
     return {**state, "path": step}
 
 
@@ -161,9 +166,9 @@ def load_checkpoint(path: str | Path, trainer: PolicyTrainer) -> dict[str, Any]:
     try:
         trainer_state = torch.load(step / "trainer.pt", map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated or foreign file fails in many ways; all mean corrupt
-        raise UserError(f"{step}: corrupt or incomplete checkpoint ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{step}: corrupt or incomplete checkpoint ({type(e).__name__}: {e})") from None
     try:
         trainer.load_state_dict(trainer_state)
     except (KeyError, ValueError, RuntimeError) as e:
-        raise UserError(f"{step}: checkpoint does not fit this trainer ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{step}: checkpoint does not fit this trainer ({type(e).__name__}: {e})") from None
     return state

@@ -38,9 +38,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from parity import kimi
 from parity.model_spec import KimiSpec
-from trainer.layers import ParityColumnParallelLinear, ParityRMSNorm, _LoRAMixin
+from trainer.layers import ParityColumnParallelLinear, ParityRMSNorm, _LoRAMixin, common_config
 from trainer.megatron_patches import cpu_current_device
-from trainer.model import common_config
 
 Parts = tuple[tuple[str, int], ...]
 

@@ -173,3 +173,23 @@ class ParityCoreAttention(MegatronModule):
         seq = torch.arange(b).repeat_interleave(sq)
         out = kernels.attention(q, k, v, seq, positions, kernels.attention_scale(d))
         return out.view(b, sq, nh * d).transpose(0, 1)
+
+
+def common_config(dtype: torch.dtype) -> dict:
+    """TransformerConfig fields every kimi-rl model sets the same way (dense and kimi-mini)."""
+    return dict(
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Fused CUDA paths do not exist on the CPU and would change numerics on the GPU.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )

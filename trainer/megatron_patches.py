@@ -1,7 +1,7 @@
 """CPU shims for megatron-core 0.16.1 (the newest release for Python 3.11).
 
 Megatron assumes CUDA in a few places that the parity trainer reaches on a CPU-only torch.
-Each shim names the version and the bug; tests/test_megatron_patches.py fails when a shim
+Each shim names the version and the bug; tests/integration/test_megatron_patches.py fails when a shim
 stops applying (the target moved) or stops being needed (the bug was fixed).
 """
 

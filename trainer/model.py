@@ -25,17 +25,17 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from safetensors.torch import load_file
 
 from parity import kernels
+from parity.dtypes import torch_dtype
 from parity.model_spec import KimiSpec, ModelSpec, load_spec
-from trainer.convert import hf_to_megatron
+from trainer.convert import hf_to_megatron, shard_megatron_state
 from trainer.layers import (
     ParityColumnParallelLinear,
     ParityCoreAttention,
     ParityRMSNorm,
     ParityRowParallelLinear,
+    common_config,
 )
 from trainer.megatron_patches import cpu_current_device
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def transformer_config(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 1) -> TransformerConfig:
@@ -52,26 +52,6 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_siz
         qk_layernorm=spec.qk_norm,
         tensor_model_parallel_size=tp_size,
         **common_config(dtype),
-    )
-
-
-def common_config(dtype: torch.dtype) -> dict:
-    """TransformerConfig fields every kimi-rl model sets the same way (dense and kimi-mini)."""
-    return dict(
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        # Fused CUDA paths do not exist on the CPU and would change numerics on the GPU.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
     )
 
 
@@ -153,9 +133,7 @@ def load_hf_weights(model: GPTModel, model_dir: str | Path, spec: ModelSpec | Ki
     if tp_size > 1:  # this rank's shards (parity/tp.py layouts)
         from megatron.core import parallel_state
 
-        from trainer.convert import shard_megatron_state
-
-        state = shard_megatron_state(state, parallel_state.get_tensor_model_parallel_rank(), tp_size)
+        state = shard_megatron_state(state, spec, parallel_state.get_tensor_model_parallel_rank(), tp_size)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -176,9 +154,9 @@ def load_model(
             raise ValueError("kimi-mini has no stock Megatron model: use parity=True")
         from trainer.kimi import build_kimi_gpt
 
-        model = build_kimi_gpt(spec, DTYPES[dtype], tp_size)  # raises unless tp_size == 1
+        model = build_kimi_gpt(spec, torch_dtype(dtype), tp_size)  # raises unless tp_size == 1
     else:
-        model = build_gpt(spec, DTYPES[dtype], parity, tp_size)
+        model = build_gpt(spec, torch_dtype(dtype), parity, tp_size)
     if torch.cuda.is_available():  # the parity kernels dispatch on the tensors' device
         model = model.cuda()
     load_hf_weights(model, model_dir, spec)

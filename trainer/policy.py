@@ -31,9 +31,13 @@ from torch import Tensor
 
 from parity import kernels
 from parity.model_spec import load_spec
-from rl.config import AlgorithmConfig, LoraConfig, TrainerConfig
-from rl.errors import UserError
-from rl.ppo import (
+from trainer import lora as lora_lib
+from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
+from trainer.convert import megatron_to_hf
+from trainer.layers import POLICY_ADAPTER
+from trainer.logprobs import forward_logits, sequence_logprobs
+from trainer.model import load_model
+from trainer.ppo import (
     entropy_from_logits,
     gae,
     grpo_advantages,
@@ -47,11 +51,6 @@ from rl.ppo import (
     sequence_reward_to_tokens,
     value_loss,
 )
-from trainer import lora as lora_lib
-from trainer.convert import megatron_to_hf
-from trainer.layers import POLICY_ADAPTER
-from trainer.logprobs import forward_logits, sequence_logprobs
-from trainer.model import load_model
 
 CRITIC_ADAPTER = "critic"
 
@@ -179,10 +178,10 @@ class PolicyTrainer:
 
     def _check_configs(self) -> None:
         if self.config.tensor_parallel_size != 1:
-            raise UserError("trainer.tensor_parallel_size: PolicyTrainer supports 1 only, got "
+            raise ValueError("trainer.tensor_parallel_size: PolicyTrainer supports 1 only, got "
                             f"{self.config.tensor_parallel_size}")
         if self.algorithm.is_correction != "none" and self.parity:
-            raise UserError(f"algorithm.is_correction {self.algorithm.is_correction!r} needs "
+            raise ValueError(f"algorithm.is_correction {self.algorithm.is_correction!r} needs "
                             "parity false (with parity there is no mismatch to correct)")
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -197,7 +196,7 @@ class PolicyTrainer:
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
         except ImportError as e:
-            raise UserError(f"trainer.optimizer: {cfg.optimizer!r} needs DeepSpeed, which is not "
+            raise ValueError(f"trainer.optimizer: {cfg.optimizer!r} needs DeepSpeed, which is not "
                             f"installed ({e}); use trainer.optimizer: adamw") from None
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
 

@@ -8,11 +8,15 @@ from pathlib import Path
 
 import torch
 
-from rl.config import Config
+from parity.wire import pack_tensors
+from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 
 
 class TrainerWorker:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(
+        self, model_path: str, dtype: str, *, parity: bool, lora: LoraConfig,
+        trainer: TrainerConfig, algorithm: AlgorithmConfig, seed: int,
+    ) -> None:
         from trainer.megatron_patches import free_port, init_megatron
         from trainer.policy import PolicyTrainer
 
@@ -22,21 +26,19 @@ class TrainerWorker:
         # A world of one on this node. The actor inherits the driver's environment, whose
         # MASTER_PORT may be a port the driver's own process group already listens on.
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-        init_megatron(tp_size=cfg.trainer.tensor_parallel_size, seed=cfg.seed)
-        self.cfg = cfg
+        init_megatron(tp_size=trainer.tensor_parallel_size, seed=seed)
+        self.lora = lora
         self.policy = PolicyTrainer(
-            cfg.model.path, cfg.model.dtype, parity=cfg.parity, lora=cfg.lora,
-            trainer=cfg.trainer, algorithm=cfg.algorithm, seed=cfg.seed,
+            model_path, dtype, parity=parity, lora=lora, trainer=trainer, algorithm=algorithm,
+            seed=seed,
         )
 
     def rollout_tensors(self) -> dict[str, torch.Tensor]:
         return self.policy.rollout_tensors()
 
     def rollout_packed(self):
-        """rollout_tensors in the sync wire format (rollout.wire): one flat buffer + index,
+        """rollout_tensors in the sync wire format (parity.wire): one flat buffer + index,
         packed here so the tensors cross the object store once, as one buffer."""
-        from rollout.wire import pack_tensors
-
         return pack_tensors(self.policy.rollout_tensors())
 
     def rollout_params(self) -> dict[str, torch.Tensor]:
@@ -58,7 +60,7 @@ class TrainerWorker:
         base = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v) and "lora" not in k
                 and not k.endswith("_extra_state")}
         weights = megatron_to_hf(base, self.policy.spec)
-        adapter = self.policy.rollout_tensors() if self.cfg.lora.enabled else {}
+        adapter = self.policy.rollout_tensors() if self.lora.enabled else {}
         scaling = self.policy.lora_scaling or 0.0
         for key, a in adapter.items():
             if ".lora_A." not in key:

@@ -161,7 +161,7 @@ def test_packed_sync_rollout_equals_trainer(case):
     """The sync wire format (one flat buffer + index, what the training loop sends): parity and
     checksums on the first sync of a layout and on a re-sync into the held buffer; a
     dict-of-tensors set_adapter afterwards still works."""
-    from rollout.wire import pack_tensors
+    from parity.wire import pack_tensors
     from trainer.lora import load_peft_state_dict, peft_state_dict, rollout_tensors
 
     saved = {k: v.clone() for k, v in peft_state_dict(case.trainer).items()}

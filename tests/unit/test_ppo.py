@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl.ppo import (
+from trainer.ppo import (
     entropy_from_logits,
     gae,
     grpo_advantages,

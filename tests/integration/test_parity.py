@@ -6,7 +6,7 @@ the Megatron trainer (teacher-forced, in batches of 8 — not the batches vLLM u
 every token's log-prob with torch.equal. The prompts cover lengths 1 to 620 tokens; the vLLM
 token budget of 256 per step forces chunked prefill of the long prompts and mixes prefill and
 decode of different lengths in one step; batch sizes 1, 3, 8 and 32 put every prompt at several
-batch positions (see parity.checker.batches_for).
+batch positions (see rl.checker.batches_for).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from parity.checker import CheckArgs, run_check
+from rl.checker import CheckArgs, run_check
 
 PROMPT_LENS = (1, 5, 17, 64, 130, 300, 620)
 BATCH_SIZES = [1, 3, 8, 32]

@@ -1,7 +1,7 @@
 """Tensor parallelism, TP=2 on both sides, real vLLM (two worker processes) and real Megatron
 (two gloo ranks), tiny dense Llama.
 
-- `kimi-rl parity check --tensor-parallel-size 2` (parity.checker.run_check): every sampled
+- `kimi-rl parity check --tensor-parallel-size 2` (rl.checker.run_check): every sampled
   token's log-prob is torch.equal between vLLM TP=2 and Megatron TP=2, fp32 and bf16.
 - With a LoRA adapter on every linear (replicated, parity/tp.py), the same holds.
 - Full-weight sync and checksums under TP=2: the caller sends and reads full tensors.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity.checker import CheckArgs, run_check, score_tensor_parallel
+from rl.checker import CheckArgs, run_check, score_tensor_parallel
 
 PROMPT_LENS = (1, 5, 17, 64, 130, 300)
 BATCH_SIZES = [1, 8]
@@ -121,8 +121,8 @@ def test_tp2_lora_and_weight_sync(model_factory, prompt_file):
     from parity.compare import tensor_checksum
     from parity.lora import TARGETS
     from parity.model_spec import ModelSpec
+    from parity.wire import pack_tensors
     from rollout.engine import RolloutEngine
-    from rollout.wire import pack_tensors
     from trainer.convert import hf_to_megatron, megatron_to_rollout
 
     model_dir = model_factory("llama", "fp32")
@@ -137,7 +137,7 @@ def test_tp2_lora_and_weight_sync(model_factory, prompt_file):
         assert engine.weight_checksums() == {
             k: tensor_checksum(v) for k, v in hf.items() if k != "lm_head.weight"
         }
-        full = megatron_to_rollout(hf_to_megatron(hf, spec))
+        full = megatron_to_rollout(hf_to_megatron(hf, spec), spec)
         flat, index = pack_tensors(full)
         engine.update_params_packed(flat, index)  # full tensors in, each worker keeps its shard
         assert engine.param_checksums() == {k: tensor_checksum(v) for k, v in full.items()}

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from parity import kimi
-from parity.checker import CheckArgs, run_check
 from parity.model_spec import KimiSpec
+from rl.checker import CheckArgs, run_check
 
 PROMPT_LENS = (1, 5, 17, 40, 130, 300)
 BATCH_SIZES = [1, 16]
@@ -74,7 +74,7 @@ def test_kimi_experts_and_indexer_positions_equal_trainer(model_factory, prompt_
     """The rollout engine's per-token choices (traced while it samples, prefill chunks and
     decode steps alike) equal the trainer's from one teacher-forced forward of the same tokens,
     with a LoRA adapter on both sides (it moves the hidden states the router and indexer see)."""
-    from parity.checker import _attach_adapter, load_adapter
+    from rl.checker import _attach_adapter, load_adapter
     from rollout.engine import RolloutEngine
     from trainer.kimi import routing_trace
     from trainer.model import load_model
@@ -115,7 +115,7 @@ def test_kimi_ppo_three_steps_bitwise(model_factory, tmp_path):
     from rl.config import load_config
     from rl.loop import train
     from rl.metrics import read_metrics
-    from tests.test_train import QUICKSTART, _assert_every_step_bitwise
+    from tests.integration.test_train import QUICKSTART, _assert_every_step_bitwise
 
     run_dir = tmp_path / "run"
     cfg = load_config(QUICKSTART, [

@@ -4,7 +4,7 @@ CPU part (always runs): launch plans, shape checks, the dispatch in parity.kerne
 reference and backward math, and the Triton kernels' indexing and masking through Triton's
 interpreter (TRITON_INTERPRET=1, in a subprocess, fp32 / fp16: the interpreter has no bf16).
 
-GPU part (skipped without CUDA): the same invariance properties as tests/test_kernels.py on the
+GPU part (skipped without CUDA): the same invariance properties as tests/unit/test_kernels.py on the
 device, bitwise (torch.equal): a row alone vs. in a batch, decode vs. whole sequence.
 """
 
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from parity import cuda, kernels
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 

@@ -21,7 +21,7 @@ from rl.config import load_config
 from rl.loop import train
 from rl.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 # Keys whose values are wall-clock times: everything else must repeat exactly.
 TIMING = ("time/", "sync/seconds")
@@ -212,8 +212,8 @@ def test_full_weights_flaky_reward_and_a_dying_worker(model_factory, tmp_path):
     that raises is reported, not a crash; a rollout worker that dies is restarted and re-synced."""
     run_dir = tmp_path / "full"
     train(_config(model_factory("llama"), run_dir, "lora.enabled=false", "total_steps=3",
-                  "trainer.lr=1e-4", "reward.type=function", "reward.function=tests.test_train:flaky_reward",
-                  "sync.bucket_mb=1", "sync.hooks=[checksum,timing,tests.test_train:KillRolloutWorkerOnce]"))
+                  "trainer.lr=1e-4", "reward.type=function", "reward.function=tests.integration.test_train:flaky_reward",
+                  "sync.bucket_mb=1", "sync.hooks=[checksum,timing,tests.integration.test_train:KillRolloutWorkerOnce]"))
     records = read_metrics(run_dir)
     _assert_every_step_bitwise(records, 3)
     assert all(r["reward/issues"] > 0 for r in records)

@@ -1,5 +1,5 @@
 """The weight-sync hook machinery (rl/sync.py). The pushes here go to plain in-process holders
-of tensors; tests/test_train.py runs the same hooks against real vLLM workers in Ray."""
+of tensors; tests/integration/test_train.py runs the same hooks against real vLLM workers in Ray."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class Holder:
 
 
 class RecordingHook(SyncHook):
-    """Imported by build_hooks through "tests.test_sync:RecordingHook"."""
+    """Imported by build_hooks through "tests.unit.test_sync:RecordingHook"."""
 
     needs_checksums = True
     events: list = []
@@ -128,14 +128,14 @@ def test_missing_tensor_is_reported():
 
 
 def test_build_hooks_from_names():
-    hooks = build_hooks(["checksum", "timing", "tests.test_sync:RecordingHook"])
+    hooks = build_hooks(["checksum", "timing", "tests.unit.test_sync:RecordingHook"])
     assert [type(h).__name__ for h in hooks] == ["ChecksumHook", "TimingHook", "RecordingHook"]
     with pytest.raises(UserError, match=r"sync.hooks\[0\]: parity_probe"):
         build_hooks(["parity_probe"])
     with pytest.raises(UserError, match=r"sync.hooks\[1\].*no_such_module"):
         build_hooks(["timing", "no_such_module:Hook"])
     with pytest.raises(UserError, match=r"sync.hooks\[0\].*before_sync"):
-        build_hooks(["tests.test_sync:_tensors"])
+        build_hooks(["tests.unit.test_sync:_tensors"])
 
 
 def test_workers_hash_only_when_a_hook_reads_checksums():

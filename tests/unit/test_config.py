@@ -20,7 +20,7 @@ from rl.config import (
 )
 from rl.errors import UserError
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.fixture
@@ -111,7 +111,8 @@ ERRORS = [
     ("data:\n  task_kwargs: [1]\n", 5, "data.task_kwargs", "expected a mapping"),
     ("trainer: 3\n", 4, "trainer", "expected a mapping, got an int"),
     ("seed: 1\nseed: 2\n", 5, "seed", "duplicate key"),
-    ("lora:\n  dropout: 0.1\n", 5, "lora.dropout", "must be 0.0"),
+    ("lora:\n  dropout: 0.1\n", 5, "lora.dropout", "unknown key"),
+    ("logging:\n  log_every: 2\n", 5, "logging.log_every", "unknown key"),
     ("lora:\n  target_modules: []\n", 5, "lora.target_modules", "is empty"),
     ("algorithm:\n  is_correction: tis\n", 5, "algorithm.is_correction", "parity: false"),
     ("algorithm:\n  name: ppo\n  vf_coef: 0\n", 6, "algorithm.vf_coef", "needs a critic"),

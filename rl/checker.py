@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 
 from parity.compare import compare_logprobs
+from parity.dtypes import torch_dtype
 from rl.errors import UserError
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 BUILTIN_PROMPTS = [
     "The quick brown fox",
@@ -259,7 +258,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
             if adapter is not None:
                 tensors, lora_rank, alpha, _ = adapter
                 # The trainer computes with its fp32 masters cast to the model dtype: send that.
-                engine.set_adapter({k: v.to(_DTYPES[args.dtype]) for k, v in tensors.items()}, alpha / lora_rank)
+                engine.set_adapter({k: v.to(torch_dtype(args.dtype)) for k, v in tensors.items()}, alpha / lora_rank)
             plan = [(bs, idx) for bs in args.batch_sizes for idx in batches_for(len(prompts), bs)]
             progress.update(task, description="sampling in vLLM", total=len(plan), completed=0)
             for bs, idx in plan:
@@ -408,7 +407,7 @@ def print_table(report: dict, console) -> None:
 def run_check_command(ns: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from parity.report import write_report
+    from rl.report import write_report
 
     args = validate(ns)
     # vLLM logs every engine detail at INFO; the checker's own table is the output here.

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from parity import kernels, kimi
 from parity.model_spec import KimiSpec
+from parity.wire import pack_tensors
 from rollout.engine import RolloutEngine
-from rollout.wire import pack_tensors
 
 VOCAB_LOW, VOCAB_HIGH = 3, 500
 PROMPT_LENS = (1, 5, 17, 40, 70, 130)

@@ -1,0 +1,50 @@
+"""Autograd Functions shared by the CPU kernels (parity/kernels.py) and the CUDA kernels
+(parity/cuda.py): an invariant forward, plain (correct, not bit-stable) gradients. In a module
+of their own so that neither kernel module imports the other for them."""
+
+from __future__ import annotations
+
+import torch
+
+
+class InvariantLinear(torch.autograd.Function):
+    """A linear whose forward is an invariant kernel (`forward_fn(x, weight)`) and whose
+    gradients are plain GEMMs (they need only be correct). Shared by the CPU tiles here and
+    the CUDA kernel in parity/cuda.py."""
+
+    @staticmethod
+    def forward(ctx, x, weight, forward_fn):
+        ctx.save_for_backward(x, weight)
+        return forward_fn(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return grad_x, grad_w, None
+
+
+class RecomputeAttention(torch.autograd.Function):
+    """Attention whose forward is an invariant kernel and whose gradients come from a dense
+    differentiable reference, recomputed in backward (gradients need only be correct).
+    Shared by the CPU kernel here and the CUDA kernel in parity/cuda.py."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_seq, q_pos, scale, forward_fn, reference_fn):
+        ctx.save_for_backward(q, k, v, q_seq, q_pos)
+        ctx.scale, ctx.reference_fn = scale, reference_fn
+        with torch.no_grad():
+            return forward_fn(q, k, v, q_seq, q_pos, scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, q_seq, q_pos = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+            out = ctx.reference_fn(*inputs, q_seq, q_pos, ctx.scale)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), *([None] * 5))

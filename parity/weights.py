@@ -1,0 +1,218 @@
+"""One name map per architecture: every tensor both engines hold, under its three names.
+
+Like torchtitan's `state_dict_adapter.py`: `from_hf` builds the fused tensors from an HF
+checkpoint, `to_hf` is its inverse, and both are derived from one table, `weight_map(spec)`.
+Each entry is one tensor in the fused layout both sides hold (parity/layouts.py) with
+
+- its Megatron-core state-dict name (the trainer, trainer/model.py and trainer/kimi.py),
+- its name in the vLLM parity model (rollout/llama.py, rollout/kimi.py),
+- the HF checkpoint tensors it is made of, in pack order, and how they are packed,
+- how tensor parallelism shards it on each side (parity/tp.py; None = replicated).
+
+The trainer's conversion (trainer/convert.py), the rollout model's weight loading and
+full-weight sync, and the TP shard rules all read this table; nothing else spells a name.
+Packing only moves bytes, so from_hf / to_hf round trips are bitwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from parity import layouts, tp
+from parity.model_spec import KimiSpec, ModelSpec
+
+Side = Literal["megatron", "rollout"]
+Pack = Literal["qkv", "gate_up"] | None
+Shard = Literal["rows", "cols", "gate_up"] | None
+
+
+@dataclass(frozen=True)
+class Weight:
+    megatron: str
+    rollout: str
+    hf: tuple[str, ...]  # the HF tensors it is made of, in pack order
+    pack: Pack = None  # None: the one HF tensor as it is
+    megatron_shard: Shard = None
+    rollout_shard: Shard = None
+
+    def name(self, side: Side) -> str:
+        return self.megatron if side == "megatron" else self.rollout
+
+    def shard(self, side: Side) -> Shard:
+        return self.megatron_shard if side == "megatron" else self.rollout_shard
+
+
+def _dense(spec: ModelSpec) -> list[Weight]:
+    # The embedding: Megatron's VocabParallelEmbedding shards vocabulary rows; the rollout
+    # model replicates it (a lookup is exact whichever rank holds the row).
+    out = [Weight("embedding.word_embeddings.weight", "model.embed_tokens.weight",
+                  ("model.embed_tokens.weight",), megatron_shard="rows")]
+    for i in range(spec.num_layers):
+        m, r = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = r + "self_attn."
+        out += [
+            Weight(m + "input_layernorm.weight", r + "input_layernorm.weight", (r + "input_layernorm.weight",)),
+            Weight(m + "self_attention.linear_qkv.weight", attn + "qkv_proj.weight",
+                   (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                   "qkv", "rows", "rows"),
+            Weight(m + "self_attention.linear_proj.weight", attn + "o_proj.weight",
+                   (attn + "o_proj.weight",), None, "cols", "cols"),
+        ]
+        if spec.qk_norm:
+            out += [
+                Weight(m + "self_attention.q_layernorm.weight", attn + "q_norm.weight", (attn + "q_norm.weight",)),
+                Weight(m + "self_attention.k_layernorm.weight", attn + "k_norm.weight", (attn + "k_norm.weight",)),
+            ]
+        out += [
+            Weight(m + "pre_mlp_layernorm.weight", r + "post_attention_layernorm.weight",
+                   (r + "post_attention_layernorm.weight",)),
+            Weight(m + "mlp.linear_fc1.weight", r + "mlp.gate_up_proj.weight",
+                   (r + "mlp.gate_proj.weight", r + "mlp.up_proj.weight"), "gate_up", "gate_up", "gate_up"),
+            Weight(m + "mlp.linear_fc2.weight", r + "mlp.down_proj.weight", (r + "mlp.down_proj.weight",),
+                   None, "cols", "cols"),
+        ]
+    out.append(Weight("decoder.final_layernorm.weight", "model.norm.weight", ("model.norm.weight",)))
+    if not spec.tie_word_embeddings:  # tied checkpoints store no lm_head (as HF saves them)
+        out.append(Weight("output_layer.weight", "lm_head.weight", ("lm_head.weight",), None, "rows", "rows"))
+    return out
+
+
+# kimi-mini (trainer/kimi.py module names). The rollout model holds HF names, except that every
+# expert keeps [gate; up] fused as `gate_up_proj` (what Megatron's linear_fc1 holds). No TP.
+_KIMI_COMMON = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "mlp.gate.weight": "mlp.router.weight",
+}
+_KIMI_MIXER = {
+    "kda": {
+        **{f"self_attn.{n}.weight": f"self_attention.linear_{n}.weight"
+           for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj")},
+        "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+        "self_attn.conv1d.weight": "self_attention.conv1d.weight",
+        "self_attn.dt_bias": "self_attention.dt_bias",
+        "self_attn.A_log": "self_attention.A_log",
+        "self_attn.o_norm.weight": "self_attention.o_norm.weight",
+    },
+    "mla": {
+        "self_attn.q_proj.weight": "self_attention.linear_q_proj.weight",
+        "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
+        "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
+        "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
+        "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+        "self_attn.indexer.wq.weight": "self_attention.indexer.linear_wq.weight",
+        "self_attn.indexer.wk.weight": "self_attention.indexer.linear_wk.weight",
+        "self_attn.indexer.weights_proj.weight": "self_attention.indexer.linear_weights_proj.weight",
+    },
+}
+
+
+def _kimi(spec: KimiSpec) -> list[Weight]:
+    def same(hf: str, mg: str) -> Weight:
+        return Weight(mg, hf, (hf,))
+
+    out = [same("model.embed_tokens.weight", "embedding.word_embeddings.weight")]
+    for i, kind in enumerate(spec.layer_types):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out += [same(h + hf, m + mg) for hf, mg in {**_KIMI_COMMON, **_KIMI_MIXER[kind]}.items()]
+        ffns = [(f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}.") for e in range(spec.n_routed_experts)]
+        ffns.append((f"{h}mlp.shared_experts.", f"{m}mlp.shared_experts."))
+        for hp, mp in ffns:
+            out += [
+                Weight(mp + "linear_fc1.weight", hp + "gate_up_proj.weight",
+                       (hp + "gate_proj.weight", hp + "up_proj.weight"), "gate_up"),
+                Weight(mp + "linear_fc2.weight", hp + "down_proj.weight", (hp + "down_proj.weight",)),
+            ]
+    out.append(same("model.norm.weight", "decoder.final_layernorm.weight"))
+    if not spec.tie_word_embeddings:
+        out.append(same("lm_head.weight", "output_layer.weight"))
+    return out
+
+
+def weight_map(spec: ModelSpec | KimiSpec) -> list[Weight]:
+    """Every tensor of the model, in checkpoint order."""
+    return _kimi(spec) if isinstance(spec, KimiSpec) else _dense(spec)
+
+
+def pack(weight: Weight, parts: list[torch.Tensor], spec: ModelSpec | KimiSpec) -> torch.Tensor:
+    """The fused tensor of `weight` from its HF parts (in `weight.hf` order)."""
+    if weight.pack == "qkv":
+        return layouts.pack_qkv(*parts, spec.num_kv_heads)
+    if weight.pack == "gate_up":
+        return layouts.pack_gate_up(*parts)
+    (tensor,) = parts
+    return tensor
+
+
+def unpack(weight: Weight, tensor: torch.Tensor, spec: ModelSpec | KimiSpec) -> tuple[torch.Tensor, ...]:
+    """Inverse of pack: the HF parts of a fused tensor."""
+    if weight.pack == "qkv":
+        return layouts.unpack_qkv(tensor, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    if weight.pack == "gate_up":
+        return layouts.unpack_gate_up(tensor)
+    return (tensor,)
+
+
+def from_hf(hf: dict[str, torch.Tensor], spec: ModelSpec | KimiSpec, side: Side) -> dict[str, torch.Tensor]:
+    """HF checkpoint tensors -> the fused tensors under `side`'s names."""
+    return {w.name(side): pack(w, [hf[n] for n in w.hf], spec) for w in weight_map(spec)}
+
+
+def to_hf(fused: dict[str, torch.Tensor], spec: ModelSpec | KimiSpec, side: Side) -> dict[str, torch.Tensor]:
+    """Inverse of from_hf."""
+    out = {}
+    for w in weight_map(spec):
+        out.update(zip(w.hf, unpack(w, fused[w.name(side)], spec), strict=True))
+    return out
+
+
+def rename(
+    tensors: dict[str, torch.Tensor], spec: ModelSpec | KimiSpec, src: Side, dst: Side
+) -> dict[str, torch.Tensor]:
+    """The same fused tensors under the other side's names (no copy: both hold one layout).
+    Megatron's `_extra_state` entries are not weights and are dropped."""
+    names = {w.name(src): w.name(dst) for w in weight_map(spec)}
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("_extra_state"):
+            continue
+        if name not in names:
+            raise ValueError(f"no {dst} tensor for {src} weight {name!r}")
+        out[names[name]] = tensor
+    return out
+
+
+def shard_kinds(spec: ModelSpec | KimiSpec, side: Side) -> dict[str, Shard]:
+    """{name on `side`: how tensor parallelism shards it (None: replicated)}."""
+    return {w.name(side): w.shard(side) for w in weight_map(spec)}
+
+
+def shard_tensor(t: torch.Tensor, kind: Shard, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s shard of a full tensor (parity/tp.py layouts)."""
+    if size == 1 or kind is None:
+        return t
+    if kind == "rows":
+        return tp.shard_rows(t, rank, size)
+    if kind == "cols":
+        return tp.shard_cols(t, rank, size)
+    return tp.shard_gate_up(t, rank, size)
+
+
+def unshard_tensor(shards: list[torch.Tensor], kind: Shard) -> torch.Tensor:
+    """Inverse of shard_tensor over every rank's shard, in rank order."""
+    if kind is None:
+        return shards[0]
+    if kind == "gate_up":
+        return tp.unshard_gate_up(shards)
+    return torch.cat(shards, dim=0 if kind == "rows" else 1)
+
+
+def shard_state(
+    tensors: dict[str, torch.Tensor], spec: ModelSpec | KimiSpec, side: Side, rank: int, size: int
+) -> dict[str, torch.Tensor]:
+    """A full state dict (`side`'s names) -> rank `rank`'s shards."""
+    kinds = shard_kinds(spec, side)
+    return {n: shard_tensor(t, kinds.get(n), rank, size) for n, t in tensors.items()}

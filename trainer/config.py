@@ -1,0 +1,67 @@
+"""The config sections the trainer owns: `trainer:` (optimizer, batching, TP), `lora:`,
+`algorithm:` (the PPO / GRPO / RLOO step, trainer/ppo.py) and `checkpoint:`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from parity.kimi import LORA_TARGETS as KIMI_LORA_TARGETS
+from parity.lora import TARGETS as DENSE_LORA_TARGETS
+from parity.settings import setting
+
+# Every module name `lora.target_modules` may list: the dense models' seven projections, plus
+# the ones only kimi-mini's MLA layers have.
+LORA_MODULES = DENSE_LORA_TARGETS + tuple(t for t in KIMI_LORA_TARGETS if t not in DENSE_LORA_TARGETS)
+KIMI_ONLY_LORA_MODULES = tuple(t for t in LORA_MODULES if t not in DENSE_LORA_TARGETS)
+
+
+@dataclass
+class TrainerConfig:
+    tensor_parallel_size: int = setting(1, ge=1)
+    optimizer: Literal["adamw", "deepspeed_cpu_adam"] = "adamw"
+    lr: float = setting(1e-4, gt=0)
+    weight_decay: float = setting(0.0, ge=0)
+    betas: tuple[float, float] = setting((0.9, 0.999), ge=0, lt=1)
+    eps: float = setting(1e-8, gt=0)
+    grad_clip: float = setting(1.0, ge=0)  # max gradient norm; 0 disables clipping
+    micro_batch_size: int = setting(8, ge=1)
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True
+    rank: int = setting(8, ge=1)
+    alpha: float = setting(16.0, gt=0)
+    # Default: every projection of the dense models (on kimi-mini: those of KDA, MLA's q / o,
+    # and the routed and shared experts' FFNs); add kv_a_proj_with_mqa / kv_b_proj for MLA.
+    # No dropout setting: dropout would make the rollout and the trainer compute different
+    # functions, so their log-probs could not match.
+    target_modules: list[str] = field(default_factory=lambda: list(DENSE_LORA_TARGETS))
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["ppo", "grpo", "rloo"] = "grpo"
+    gamma: float = setting(1.0, ge=0, le=1)  # gamma and lam: GAE, used by ppo only
+    lam: float = setting(0.95, ge=0, le=1)
+    clip_eps: float = setting(0.2, gt=0)
+    value_clip_eps: float = setting(0.2, gt=0)
+    vf_coef: float = setting(0.5, ge=0)
+    ppo_epochs: int = setting(1, ge=1)
+    minibatches: int = setting(1, ge=1)
+    kl_coef: float = setting(0.0, ge=0)  # 0 turns the KL penalty (and the reference model) off
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["reward", "loss"] = "loss"
+    entropy_coef: float = setting(0.0, ge=0)
+    # Importance-sampling correction for rollout/trainer log-prob mismatch; parity: false only.
+    is_correction: Literal["none", "tis", "mis"] = "none"
+    is_cap: float = setting(2.0, ge=1)  # a cap below 1 would truncate or mask on-policy tokens
+    critic_lr: float | None = setting(None, gt=0)  # None: the critic uses trainer.lr
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = setting(0, ge=0)  # in steps; 0 saves only at the end
+    keep: int = setting(2, ge=1)
+    resume_from: str | None = setting(None, path=True)
