@@ -37,10 +37,11 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from parity import kernels
+from rollout.plugin import ATTENTION_BACKEND
 from rollout.vllm_patches import register_attention_backend
 
 # vLLM's Attention layer looks its backend up by enum member name (rollout/vllm_patches.py).
-BACKEND_NAME = register_attention_backend("KIMI_RL_PARITY", "rollout.attention.ParityAttentionBackend")
+BACKEND_NAME = register_attention_backend(ATTENTION_BACKEND, "rollout.attention.ParityAttentionBackend")
 
 
 @dataclass

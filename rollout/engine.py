@@ -126,10 +126,16 @@ class ParityWorkerExtension:
         return self._kimi_rl_parity_model().weight_checksums()
 
     def kimi_rl_trace(self, on: bool) -> None:
-        self._kimi_rl_parity_model().set_trace(on)
+        from rollout.kimi_trace import RoutingTrace
+
+        old = getattr(self, "_kimi_rl_tracer", None)
+        if old is not None:
+            old.remove()
+        self._kimi_rl_tracer = RoutingTrace(self._kimi_rl_parity_model()) if on else None
 
     def kimi_rl_take_trace(self) -> list[dict]:
-        return self._kimi_rl_parity_model().take_trace()
+        tracer = getattr(self, "_kimi_rl_tracer", None)
+        return tracer.take() if tracer is not None else []
 
     def kimi_rl_reseed(self, seed: int) -> None:
         # Requests without a seed of their own sample from this process's default generator.
@@ -405,9 +411,9 @@ class RolloutEngine:
         self._rpc("kimi_rl_trace", bool(on))
 
     def take_trace(self) -> list[dict[str, torch.Tensor]]:
-        """What was recorded since the last take, per request (rollout.kimi.trace_by_request;
+        """What was recorded since the last take, per request (rollout.kimi_trace.trace_by_request;
         requests in order of their first step). In-process engines (tensors in rpc results)."""
-        from rollout.kimi import trace_by_request
+        from rollout.kimi_trace import trace_by_request
 
         self._require_parity("take_trace")
         return trace_by_request(self._rpc("kimi_rl_take_trace"))

@@ -31,9 +31,8 @@ Megatron holds them; the trainer's full-weight sync sends exactly these names. L
 linear of `parity.kimi.lora_linears` can hold (A, B) pairs by HF module path; its output is
 then `parity.kimi.adapted_linear`, what the trainer runs.
 
-Trace (tests): `set_trace(True)` records, per forward step, each token's request key (the
-request's first state / cache block) and position, the experts each MoE layer chose and the
-positions each indexer selected; `trace_by_request` reassembles that per request.
+The routing trace the tests compare with the trainer's is a debug wrapper of forward hooks
+(rollout/kimi_trace.py); the forward here carries no trace code.
 """
 
 from __future__ import annotations
@@ -55,14 +54,13 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from parity import kernels, kimi
-from parity.compare import tensor_checksum
 from parity.kimi import Pair
 from parity.model_spec import KIMI_ARCHITECTURE, KimiSpec
-from parity.wire import Index, as_bytes_tensor, unpack_tensors
 from rollout.attention import ParityAttentionBackend, _slot_view
+from rollout.plugin import KDA_BACKEND
+from rollout.sync import SyncedModel
 from rollout.vllm_patches import register_mamba_backend
 
-KDA_BACKEND_NAME = "KIMI_RL_KDA"
 _KDA_BACKEND_PATH = "rollout.kimi.ParityKdaBackend"
 
 
@@ -118,7 +116,7 @@ class ParityKdaBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return KDA_BACKEND_NAME
+        return KDA_BACKEND
 
     @staticmethod
     def get_builder_cls() -> type[ParityKdaMetadataBuilder]:
@@ -139,7 +137,7 @@ class ParityKdaBackend(AttentionBackend):
 
 # False on vLLM builds that cannot add a mamba backend (vllm 0.24): the model then refuses to
 # build, and the other architectures are unaffected (rollout/vllm_patches.py).
-KDA_BACKEND_AVAILABLE = register_mamba_backend(KDA_BACKEND_NAME, _KDA_BACKEND_PATH)
+KDA_BACKEND_AVAILABLE = register_mamba_backend(KDA_BACKEND, _KDA_BACKEND_PATH)
 
 
 # --- modules --------------------------------------------------------------------------------------
@@ -212,7 +210,7 @@ class ParityKda(nn.Module, MambaBase):
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
-        return MambaAttentionBackendEnum[KDA_BACKEND_NAME]
+        return MambaAttentionBackendEnum[KDA_BACKEND]
 
     def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
         return kda_state_shapes(self.spec)
@@ -220,12 +218,19 @@ class ParityKda(nn.Module, MambaBase):
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
         return (torch.float32, torch.float32)
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, KdaMetadata | None]:
+    def step_metadata(self) -> KdaMetadata | None:
+        """This step's metadata, or None in a profiling / warm-up run."""
         metadata = get_forward_context().attn_metadata
         meta = metadata.get(self.prefix) if isinstance(metadata, dict) else None
-        out = torch.zeros_like(h)
         if meta is None or meta.num_query_tokens == 0 or self.kv_cache[0].numel() == 0:
-            return out, None  # profiling / warm-up run
+            return None
+        return meta
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(h)
+        meta = self.step_metadata()
+        if meta is None:
+            return out
         conv_all, state_all = self.kv_cache
         keep = [i for i, n in enumerate(meta.query_lens) if n > 0]
         idx = meta.state_index[keep]
@@ -237,7 +242,7 @@ class ParityKda(nn.Module, MambaBase):
         out[:n], conv, state = kimi.kda_mixer(self, self.spec, h[:n], lengths, conv, state)
         conv_all[idx] = conv
         state_all[idx] = state
-        return out, meta
+        return out
 
 
 def kda_state_shapes(spec: KimiSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -277,18 +282,30 @@ class ParityMla(nn.Module):
             prefix=f"{prefix}.attn", attn_backend=ParityAttentionBackend,
         )
 
-    def forward(
-        self, positions: torch.Tensor, h: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple | None]:
+    def step_metadata(self):
+        """This step's attention metadata, or None in a profiling / warm-up run."""
         metadata = get_forward_context().attn_metadata
         meta = metadata.get(self.attn.layer_name) if isinstance(metadata, dict) else None
+        if meta is None or meta.num_query_tokens == 0 or self.attn.kv_cache.numel() == 0:
+            return None
+        return meta
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(h)
-        kv_cache = self.attn.kv_cache
-        if meta is None or meta.num_query_tokens == 0 or kv_cache.numel() == 0:
-            return out, None  # profiling / warm-up run
+        meta = self.step_metadata()
+        if meta is None:
+            return out
+        q, ctx, selected, count = self.select(meta, positions, h)
+        out[:meta.num_query_tokens] = kimi.mla_attend(self, self.spec, q, ctx, meta.q_seq, selected, count)
+        return out
+
+    def select(self, meta, positions: torch.Tensor, h: torch.Tensor):
+        """Write this step's cache entries, read each request's context back and run the
+        indexer: (q, ctx [R, L, width], selected, count). Idempotent: the routing trace
+        (rollout/kimi_trace.py) calls it again after the forward to see the selection."""
         s, n, width = self.spec, meta.num_query_tokens, self.spec.mla_cache_width
         q, entry, index_q, index_w = kimi.mla_entries(self, s, h[:n], positions[:n])
-        cache = _slot_view(kv_cache, 1, width // 2)  # [slot, key | value, head, width / 2]
+        cache = _slot_view(self.attn.kv_cache, 1, width // 2)  # [slot, key | value, head, width / 2]
         slots = meta.slot_mapping[:n].to(torch.int64)
         keep = slots >= 0
         cache[slots[keep], :, 0] = entry[keep].to(cache.dtype).view(-1, 2, width // 2)
@@ -299,8 +316,7 @@ class ParityMla(nn.Module):
         selected, count = kimi.indexer_topk(
             s, index_q, index_w, ctx[..., -s.index_head_dim :], meta.q_seq, meta.q_pos
         )
-        out[:n] = kimi.mla_attend(self, s, q, ctx, meta.q_seq, selected, count)
-        return out, (meta, selected, count)
+        return q, ctx, selected, count
 
 
 class _Expert(nn.Module):
@@ -319,6 +335,10 @@ class ParityMoe(nn.Module):
             for e in range(spec.n_routed_experts)
         )
         self.shared_experts = _Expert(spec, lin, spec.shared_intermediate_size, f"{prefix}.shared_experts")
+        self.spec = spec
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return kimi.moe(self, self.spec, h)[0]
 
 
 class ParityKimiLayer(nn.Module):
@@ -336,16 +356,14 @@ class ParityKimiLayer(nn.Module):
             self.self_attn = ParityMla(spec, lin, dtype, cache_config, f"{prefix}.self_attn")
         self.mlp = ParityMoe(spec, lin, dtype, f"{prefix}.mlp")
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, object, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         h = kernels.rms_norm(x, self.input_layernorm.weight, self.eps)
         if self.kind == "kda":
-            mixed, info = self.self_attn(h)
+            x = x + self.self_attn(h)
         else:
-            mixed, info = self.self_attn(positions, h)
-        x = x + mixed
+            x = x + self.self_attn(positions, h)
         h = kernels.rms_norm(x, self.post_attention_layernorm.weight, self.eps)
-        out, experts = kimi.moe(self.mlp, self.spec, h)
-        return x + out, info, experts
+        return x + self.mlp(h)
 
 
 class ParityKimiModel(nn.Module):
@@ -439,7 +457,7 @@ def adapter_pairs(
 # --- the vLLM model -------------------------------------------------------------------------------
 
 
-class ParityKimiMiniForCausalLM(nn.Module):
+class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
     """vLLM model class registered as `KimiRLParityKimiMiniForCausalLM` (hybrid: IsHybrid's
     class attributes and methods, duck-typed)."""
 
@@ -489,8 +507,6 @@ class ParityKimiMiniForCausalLM(nn.Module):
         self.config = model_config.hf_config
         self.model = ParityKimiModel(self.spec, self.dtype, vllm_config.cache_config)
         self._pending: dict[str, dict[int, torch.Tensor]] = {}
-        self._packed: tuple[torch.Tensor, Index] | None = None  # see set_adapter_packed
-        self._trace: list[dict] | None = None
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return kernels.embedding(input_ids, self.model.embed_tokens.weight)
@@ -501,47 +517,12 @@ class ParityKimiMiniForCausalLM(nn.Module):
     ) -> torch.Tensor:
         assert intermediate_tensors is None, "pipeline parallelism is not supported"
         x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        step: dict = {}
-        for i, layer in enumerate(self.model.layers):
-            x, info, experts = layer(positions, x)
-            if self._trace is not None and info is not None:
-                self._record(step, i, layer.kind, positions, info, experts)
-        if step:
-            self._trace.append(step)
+        for layer in self.model.layers:
+            x = layer(positions, x)
         return kernels.rms_norm(x, self.model.norm.weight, self.spec.rms_norm_eps)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return kernels.linear(hidden_states, self.model.embed_tokens.weight)
-
-    # --- trace ----------------------------------------------------------------------------
-
-    def set_trace(self, on: bool) -> None:
-        """Start (clearing what was recorded) or stop recording the routing trace."""
-        self._trace = [] if on else None
-
-    def take_trace(self) -> list[dict]:
-        """The steps recorded since the last take (recording continues)."""
-        steps, self._trace = (self._trace or []), ([] if self._trace is not None else None)
-        return steps
-
-    @staticmethod
-    def _record(step: dict, i: int, kind: str, positions, info, experts: torch.Tensor) -> None:
-        if kind == "kda":
-            meta = info
-            n = meta.num_query_tokens
-            key = meta.state_index
-            q_seq = torch.repeat_interleave(torch.arange(meta.num_reqs), torch.tensor(meta.query_lens))
-        else:
-            meta, selected, count = info
-            n = meta.num_query_tokens
-            key = meta.block_table[:, 0].to(device="cpu", dtype=torch.int64)
-            q_seq = meta.q_seq
-            step[f"layers.{i}.self_attn.selected"] = selected.clone()
-            step[f"layers.{i}.self_attn.count"] = count.clone()
-        if "keys" not in step:  # the first layer that ran names the requests
-            step["keys"] = key[q_seq].clone()
-            step["positions"] = positions[:n].to(torch.int64).clone()
-        step[f"layers.{i}.mlp.experts"] = experts[:n].clone()
 
     # --- weights --------------------------------------------------------------------------
 
@@ -592,32 +573,6 @@ class ParityKimiMiniForCausalLM(nn.Module):
             else:
                 yield name, params[name]
 
-    def update_params_packed(self, flat, index: Index) -> None:
-        """Full-weight sync in the wire format by this model's parameter names (HF names,
-        experts' gate_up fused): one copy per parameter, everything checked first."""
-        params = dict(self.named_parameters())
-        tensors = unpack_tensors(flat, tuple((n, d, tuple(sh), o, b) for n, d, sh, o, b in index))
-        for name, tensor in tensors.items():
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"unknown parameter {name!r}")
-            if param.shape != tensor.shape or param.dtype != tensor.dtype:
-                raise ValueError(
-                    f"{name}: {tensor.dtype} {tuple(tensor.shape)}, the model holds "
-                    f"{param.dtype} {tuple(param.shape)}"
-                )
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                params[name].copy_(tensor)
-
-    def param_checksums(self) -> dict[str, str]:
-        """sha256 of every parameter, by this model's parameter name."""
-        return {name: tensor_checksum(p) for name, p in self.named_parameters()}
-
-    def weight_checksums(self) -> dict[str, str]:
-        """sha256 of every held weight, by HF checkpoint name."""
-        return {name: tensor_checksum(t) for name, t in self.hf_weights()}
-
     # --- LoRA -----------------------------------------------------------------------------
 
     def _linears(self) -> Iterator[_Linear]:
@@ -634,70 +589,14 @@ class ParityKimiMiniForCausalLM(nn.Module):
             linear.pairs = mine
             linear.scaling = float(scaling)
 
-    def set_adapter(self, tensors: dict[str, torch.Tensor], scaling: float) -> None:
-        """Hold a LoRA adapter (peft names, model dtype), replacing the previous one; checked
-        completely before anything changes."""
-        pairs = adapter_pairs(self.spec, self.dtype, tensors, scaling)
-        self._packed = None
-        self._hold(pairs, scaling, copy=True)
+    def _adapter_pairs(self, tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, Pair]:
+        return adapter_pairs(self.spec, self.dtype, tensors, scaling)
 
-    def set_adapter_packed(self, flat, index: Index, scaling: float) -> None:
-        """set_adapter from the wire format: the model keeps one buffer in the same layout (every
-        A and B a view into it), so a re-sync with the same index is one copy of the bytes."""
-        incoming = as_bytes_tensor(flat)
-        index = tuple((n, d, tuple(shape), o, b) for n, d, shape, o, b in index)
-        held = self._packed
-        if held is not None and held[1] == index and held[0].numel() == incoming.numel():
-            if not math.isfinite(scaling):
-                raise ValueError(f"scaling must be finite, got {scaling}")
-            held[0].copy_(incoming)
-            for linear in self._linears():
-                linear.scaling = float(scaling)
-            return
-        buf = incoming.clone()
-        pairs = adapter_pairs(self.spec, self.dtype, unpack_tensors(buf, index), scaling)
-        self._hold(pairs, scaling, copy=False)
-        self._packed = (buf, index)
+    def _adapter_linears(self) -> Iterator[_Linear]:
+        return self._linears()
 
-    def clear_adapter(self) -> None:
-        """Drop the adapter: every linear takes the base path again."""
-        self._packed = None
-        self._hold({}, 0.0, copy=False)
-
-    def adapter_checksums(self) -> dict[str, str]:
-        """sha256 of each held adapter tensor, by peft name; empty without an adapter."""
-        return {
-            kimi.peft_name(path, which): tensor_checksum(t)
-            for linear in self._linears()
-            for path, pair in linear.pairs.items()
-            for which, t in zip("AB", pair, strict=True)
-        }
-
-
-# --- trace reassembly -----------------------------------------------------------------------------
-
-
-def trace_by_request(steps: list[dict]) -> list[dict[str, torch.Tensor]]:
-    """Per request (in order of first appearance at position 0), over the positions 0..P-1 the
-    engine processed: {"layers.{i}.mlp.experts": int64 [P, k], "layers.{i}.self_attn.selected":
-    int64 [P, topk], "layers.{i}.self_attn.count": [P]}. A key (the request's first block) is
-    reused after its request ends; a token at position 0 always starts a new request."""
-    requests: list[dict[str, list]] = []
-    live: dict[int, int] = {}
-    for step in steps:
-        names = [k for k in step if k.startswith("layers.")]
-        for t, (key, pos) in enumerate(zip(step["keys"].tolist(), step["positions"].tolist(), strict=True)):
-            if pos == 0:
-                live[key] = len(requests)
-                requests.append({"positions": [], **{name: [] for name in names}})
-            rec = requests[live[key]]
-            rec["positions"].append(pos)
-            for name in names:
-                rec[name].append(step[name][t])
-    out = []
-    for rec in requests:
-        positions = rec.pop("positions")
-        if positions != list(range(len(positions))):
-            raise RuntimeError(f"trace positions are not 0..P-1: {positions[:8]}...")
-        out.append({name: torch.stack(rows).to(torch.int64) for name, rows in rec.items()})
-    return out
+    def _held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for linear in self._linears():
+            for path, pair in linear.pairs.items():
+                for which, t in zip("AB", pair, strict=True):
+                    yield kimi.peft_name(path, which), t

@@ -36,11 +36,10 @@ import torch
 from torch import nn
 
 from parity import kernels, layouts, tp, weights
-from parity.compare import tensor_checksum
 from parity.lora import FUSED_PARTS, TARGETS, Pair, fused_delta, part_shapes, peft_key
 from parity.model_spec import ModelSpec
-from parity.wire import Index, as_bytes_tensor, unpack_tensors
 from rollout.attention import ParityAttentionBackend
+from rollout.sync import SyncedModel
 
 
 class _Weight(nn.Module):
@@ -314,7 +313,7 @@ def adapter_pairs(
     return pairs
 
 
-class ParityLlamaForCausalLM(nn.Module):
+class ParityLlamaForCausalLM(nn.Module, SyncedModel):
     """vLLM model class registered as `KimiRLParityLlamaForCausalLM`."""
 
     # The HF architecture this class computes (the config's `architectures` names the parity
@@ -339,7 +338,6 @@ class ParityLlamaForCausalLM(nn.Module):
         config = model_config.hf_config.to_dict()
         config["architectures"] = [self.hf_architecture]
         self.spec = ModelSpec.from_hf_config(config)
-        self._packed: tuple[torch.Tensor, Index] | None = None  # see set_adapter_packed
         self._check_spec(self.spec)
         tp.check_tp(self.spec, self.tp_size)
         self.dtype = model_config.dtype
@@ -474,36 +472,6 @@ class ParityLlamaForCausalLM(nn.Module):
         params = dict(self.full_parameters())
         yield from weights.to_hf(params, self.spec, "rollout").items()
 
-    def update_params_packed(self, flat, index: Index) -> None:
-        """Full-weight sync in the wire format, by this model's own parameter names and fused
-        layouts (what the parity trainer holds, trainer.convert.megatron_to_rollout): one copy
-        per parameter, no repacking. Everything is checked before anything is written. Under
-        tensor parallelism the tensors are full (TP=1 layout) too: each worker copies its shard."""
-        params = dict(self.named_parameters())
-        tensors = unpack_tensors(flat, tuple((n, d, tuple(sh), o, b) for n, d, sh, o, b in index))
-        for name, tensor in tensors.items():
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"unknown parameter {name!r}")
-            full_shape = self._full_shape(name, param)
-            if tuple(tensor.shape) != full_shape or param.dtype != tensor.dtype:
-                raise ValueError(
-                    f"{name}: {tensor.dtype} {tuple(tensor.shape)}, the model holds "
-                    f"{param.dtype} {full_shape}"
-                )
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                params[name].copy_(self._local(name, tensor))
-
-    def param_checksums(self) -> dict[str, str]:
-        """sha256 of every parameter, by this model's parameter name (fused layouts; full
-        tensors under TP)."""
-        return {name: tensor_checksum(p) for name, p in self.full_parameters()}
-
-    def weight_checksums(self) -> dict[str, str]:
-        """sha256 of every held weight, by HF checkpoint name."""
-        return {name: tensor_checksum(tensor) for name, tensor in self.hf_weights()}
-
     # --- LoRA -------------------------------------------------------------------------------
 
     def _fused_linears(self) -> Iterator[tuple[int, _FusedLinear]]:
@@ -514,50 +482,24 @@ class ParityLlamaForCausalLM(nn.Module):
             ):
                 yield i, linear
 
-    def set_adapter(self, tensors: dict[str, torch.Tensor], scaling: float) -> None:
-        """Hold a LoRA adapter, replacing the previous one: `tensors` by peft name
-        (parity.lora.peft_key), in the model dtype; `scaling` = alpha / rank. Everything is
-        checked before anything changes, so a bad adapter leaves the held one in place."""
-        pairs = adapter_pairs(self.spec, self.dtype, tensors, scaling)
-        self._packed = None  # the held tensors are no longer views of a packed buffer
-        with torch.no_grad():
-            for i, linear in self._fused_linears():
-                mine = {t: p for (layer, t), p in pairs.items() if layer == i and t in linear.out_features}
-                linear.hold(mine, float(scaling))
+    # --- LoRA (the sync itself: rollout/sync.py) --------------------------------------------
 
-    def set_adapter_packed(self, flat, index: Index, scaling: float) -> None:
-        """set_adapter for the sync wire format (parity.wire): the adapter as one byte buffer
-        plus an index. The model then holds one buffer in the same layout, every A and B a view
-        into it, so a later sync with the same index is a single copy of the bytes."""
-        incoming = as_bytes_tensor(flat)
-        # Across processes the index arrives as lists; compare and view with tuples.
-        index = tuple((n, d, tuple(shape), o, b) for n, d, shape, o, b in index)
-        held = self._packed
-        if held is not None and held[1] == index and held[0].numel() == incoming.numel():
-            if not math.isfinite(scaling):
-                raise ValueError(f"scaling must be finite, got {scaling}")
-            held[0].copy_(incoming)
-            for _, linear in self._fused_linears():
-                linear.scaling = float(scaling)
-            return
-        buf = incoming.clone()
-        pairs = adapter_pairs(self.spec, self.dtype, unpack_tensors(buf, index), scaling)
+    def _adapter_pairs(self, tensors: dict[str, torch.Tensor], scaling: float):
+        return adapter_pairs(self.spec, self.dtype, tensors, scaling)
+
+    def _adapter_linears(self) -> Iterator[_FusedLinear]:
+        return (linear for _, linear in self._fused_linears())
+
+    def _hold(self, pairs: dict[tuple[int, str], Pair], scaling: float, *, copy: bool) -> None:
         for i, linear in self._fused_linears():
-            linear.pairs = {t: p for (layer, t), p in pairs.items() if layer == i and t in linear.out_features}
-            linear.scaling = float(scaling)
-        self._packed = (buf, index)
+            mine = {t: p for (layer, t), p in pairs.items() if layer == i and t in linear.out_features}
+            if copy:
+                linear.hold(mine, scaling)
+            else:
+                linear.pairs, linear.scaling = mine, scaling
 
-    def clear_adapter(self) -> None:
-        """Drop the adapter: every linear takes the base path again."""
-        self._packed = None
-        for _, linear in self._fused_linears():
-            linear.hold({}, 0.0)
-
-    def adapter_checksums(self) -> dict[str, str]:
-        """sha256 of each held adapter tensor, by peft name; empty without an adapter."""
-        return {
-            peft_key(i, target, which): tensor_checksum(tensor)
-            for i, linear in self._fused_linears()
-            for target, pair in linear.pairs.items()
-            for which, tensor in zip("AB", pair, strict=True)
-        }
+    def _held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, linear in self._fused_linears():
+            for target, pair in linear.pairs.items():
+                for which, tensor in zip("AB", pair, strict=True):
+                    yield peft_key(i, target, which), tensor

@@ -8,7 +8,12 @@ per engine with `hf_overrides={"architectures": [parity_architecture(arch)]}`.
 
 from __future__ import annotations
 
+from parity.hf_config import register_hf_config
 from parity.model_spec import ARCHITECTURES, parity_architecture
+from rollout.vllm_patches import register_attention_backend, register_mamba_backend
+
+ATTENTION_BACKEND = "KIMI_RL_PARITY"
+KDA_BACKEND = "KIMI_RL_KDA"
 
 # The vLLM model class of each architecture in the registry (parity.model_spec.ARCHITECTURES).
 _MODEL_CLASSES = {
@@ -27,8 +32,10 @@ def register() -> None:
         arch = parity_architecture(ARCHITECTURES[name])
         if arch not in supported:
             ModelRegistry.register_model(arch, qualname)
+    # The backends' enum members, by qualified name (nothing imported): vLLM resolves a layer's
+    # backend by member before it builds the model. Never raises (rollout/vllm_patches.py).
+    register_attention_backend(ATTENTION_BACKEND, "rollout.attention.ParityAttentionBackend")
+    register_mamba_backend(KDA_BACKEND, "rollout.kimi.ParityKdaBackend")
     # kimi-mini's model_type is unknown to transformers; vLLM loads configs through AutoConfig
     # (in the caller's process, before any EngineCore unpickles the config).
-    from parity.hf_config import register_hf_config
-
     register_hf_config()

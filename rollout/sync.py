@@ -1,0 +1,134 @@
+"""What every rollout parity model does with a trainer -> rollout sync, written once.
+
+`SyncedModel` is mixed into each vLLM parity model class (rollout/llama.py, rollout/kimi.py):
+holding a LoRA adapter (from a dict of peft-named tensors, or from the wire format of
+parity/wire.py as one buffer whose views the linears compute from, so a re-sync is one copy),
+dropping it, full-weight syncs by the model's own parameter names, and the checksums of all of
+these. A model supplies only what differs by architecture:
+
+    _adapter_pairs(tensors, scaling) -> pairs   check an adapter against the model (ValueError)
+    _hold(pairs, scaling, copy)                 hand each linear its pairs (copies if copy)
+    _held() -> [(peft name, tensor)]            the adapter tensors it holds now
+    hf_weights() -> [(HF name, tensor)]         its weights under HF checkpoint names
+
+and, under tensor parallelism, `full_parameters` / `_full_shape` / `_local` (full tensors <->
+this rank's shards; the defaults below are TP=1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from parity.compare import tensor_checksum
+from parity.wire import Index, as_bytes_tensor, unpack_tensors
+
+
+class SyncedModel:
+    _packed: tuple[torch.Tensor, Index] | None = None  # the held adapter buffer, if packed
+
+    # --- per architecture ---------------------------------------------------------------------
+
+    def _adapter_pairs(self, tensors: dict[str, torch.Tensor], scaling: float):
+        raise NotImplementedError
+
+    def _hold(self, pairs, scaling: float, *, copy: bool) -> None:
+        raise NotImplementedError
+
+    def _held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    # --- tensor parallelism (TP=1 defaults) ----------------------------------------------------
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.named_parameters()
+
+    def _full_shape(self, name: str, param: torch.Tensor) -> tuple[int, ...]:
+        return tuple(param.shape)
+
+    def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return full
+
+    # --- LoRA adapter ----------------------------------------------------------------------------
+
+    def set_adapter(self, tensors: dict[str, torch.Tensor], scaling: float) -> None:
+        """Hold a LoRA adapter, replacing the previous one: `tensors` by peft name, in the model
+        dtype; `scaling` = alpha / rank. Everything is checked before anything changes, so a bad
+        adapter leaves the held one in place. The model holds copies (in-process, the caller's
+        tensors may be the trainer's live parameters)."""
+        pairs = self._adapter_pairs(tensors, scaling)
+        self._packed = None  # the held tensors are no longer views of a packed buffer
+        with torch.no_grad():
+            self._hold(pairs, float(scaling), copy=True)
+
+    def set_adapter_packed(self, flat, index: Index, scaling: float) -> None:
+        """set_adapter from the sync wire format (parity.wire): the adapter as one byte buffer
+        plus an index. The model then holds one buffer in the same layout, every A and B a view
+        into it, so a later sync with the same index is a single copy of the bytes."""
+        if not math.isfinite(scaling):
+            raise ValueError(f"scaling must be finite, got {scaling}")
+        incoming = as_bytes_tensor(flat)
+        # Across processes the index arrives as lists; compare and view with tuples.
+        index = tuple((n, d, tuple(shape), o, b) for n, d, shape, o, b in index)
+        held = self._packed
+        if held is not None and held[1] == index and held[0].numel() == incoming.numel():
+            held[0].copy_(incoming)
+            self._set_scaling(float(scaling))
+            return
+        buf = incoming.clone()
+        pairs = self._adapter_pairs(unpack_tensors(buf, index), scaling)
+        self._hold(pairs, float(scaling), copy=False)
+        self._packed = (buf, index)
+
+    def _set_scaling(self, scaling: float) -> None:
+        for linear in self._adapter_linears():
+            linear.scaling = scaling
+
+    def _adapter_linears(self):
+        raise NotImplementedError
+
+    def clear_adapter(self) -> None:
+        """Drop the adapter: every linear takes the base path again, bitwise."""
+        self._packed = None
+        self._hold({}, 0.0, copy=False)
+
+    def adapter_checksums(self) -> dict[str, str]:
+        """sha256 of each held adapter tensor, by peft name; empty without an adapter."""
+        return {name: tensor_checksum(t) for name, t in self._held()}
+
+    # --- full weights ------------------------------------------------------------------------------
+
+    def update_params_packed(self, flat, index: Index) -> None:
+        """Full-weight sync in the wire format, by this model's own parameter names and fused
+        layouts (what the parity trainer holds, parity.weights.rename): one copy per parameter,
+        no repacking. Everything is checked before anything is written. Under tensor
+        parallelism the tensors are full (TP=1 layout) too: each worker copies its shard."""
+        params = dict(self.named_parameters())
+        tensors = unpack_tensors(flat, tuple((n, d, tuple(sh), o, b) for n, d, sh, o, b in index))
+        for name, tensor in tensors.items():
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unknown parameter {name!r}")
+            full_shape = self._full_shape(name, param)
+            if tuple(tensor.shape) != full_shape or param.dtype != tensor.dtype:
+                raise ValueError(
+                    f"{name}: {tensor.dtype} {tuple(tensor.shape)}, the model holds "
+                    f"{param.dtype} {full_shape}"
+                )
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                params[name].copy_(self._local(name, tensor))
+
+    def param_checksums(self) -> dict[str, str]:
+        """sha256 of every parameter, by this model's parameter name (fused layouts; full
+        tensors under TP)."""
+        return {name: tensor_checksum(p) for name, p in self.full_parameters()}
+
+    def weight_checksums(self) -> dict[str, str]:
+        """sha256 of every held weight, by HF checkpoint name."""
+        return {name: tensor_checksum(t) for name, t in self.hf_weights()}
