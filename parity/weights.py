@@ -16,12 +16,14 @@ Packing only moves bytes, so from_hf / to_hf round trips are bitwise.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from parity import layouts, tp
+from parity import kimi, layouts, tp
+from parity.lora import FUSED_PARTS, part_shapes
 from parity.model_spec import KimiSpec, ModelSpec
 
 Side = Literal["megatron", "rollout"]
@@ -216,3 +218,56 @@ def shard_state(
     """A full state dict (`side`'s names) -> rank `rank`'s shards."""
     kinds = shard_kinds(spec, side)
     return {n: shard_tensor(t, kinds.get(n), rank, size) for n, t in tensors.items()}
+
+
+# Names a checkpoint may carry that are not weights (HF's non-persistent RoPE buffers).
+IGNORED_HF = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.(cos|sin)_cached$")
+
+
+def _dense_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, shapes = spec.hidden_size, part_shapes(spec)
+    out: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (spec.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (spec.vocab_size, h),
+    }
+    for i in range(spec.num_layers):
+        base = f"model.layers.{i}."
+        out[base + "input_layernorm.weight"] = (h,)
+        out[base + "post_attention_layernorm.weight"] = (h,)
+        for target, (fan_in, fan_out) in shapes.items():
+            block = "self_attn" if target in FUSED_PARTS["qkv"] + FUSED_PARTS["o"] else "mlp"
+            out[f"{base}{block}.{target}.weight"] = (fan_out, fan_in)
+        if spec.qk_norm:
+            out[base + "self_attn.q_norm.weight"] = (spec.head_dim,)
+            out[base + "self_attn.k_norm.weight"] = (spec.head_dim,)
+    return out
+
+
+def hf_shapes(spec: ModelSpec | KimiSpec) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight a checkpoint may hold for `spec`, by HF name (lm_head too:
+    a tied model skips it on load)."""
+    return kimi.hf_weight_shapes(spec) if isinstance(spec, KimiSpec) else _dense_hf_shapes(spec)
+
+
+def check_hf_weights(spec: ModelSpec | KimiSpec, named: dict[str, torch.Tensor]) -> None:
+    """ValueError unless `named` is a set of known HF weights with the right shapes, whose fused
+    groups (q/k/v, gate/up of a layer or an expert) are complete. Checked before an in-place
+    reload starts: vLLM's reload moves the parameters to the meta device first, so a load that
+    fails half-way would leave the model without weights."""
+    shapes = hf_shapes(spec)
+    fused_of = {n: w for w in weight_map(spec) if w.pack for n in w.hf}
+    groups: dict[str, set[str]] = {}
+    for name, tensor in named.items():
+        if IGNORED_HF.search(name):
+            continue
+        if name not in shapes:
+            raise ValueError(f"unexpected weight {name!r}")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {shapes[name]}")
+        if name in fused_of:
+            groups.setdefault(fused_of[name].rollout, set()).add(name)
+    for fused, parts in sorted(groups.items()):
+        wanted = set(next(w.hf for w in weight_map(spec) if w.rollout == fused))
+        if parts != wanted:
+            raise ValueError(f"{fused}: {sorted(wanted - parts)} missing, fused with {sorted(parts)}")

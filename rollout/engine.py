@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from parity import model_spec
+from parity import model_spec, weights
 from parity.dtypes import dtype_string, torch_dtype
 from parity.model_spec import KimiSpec, load_spec
 from rollout.vllm_patches import keep_default_process_group, keep_set_num_threads, thaw_envs_cache
@@ -143,7 +143,7 @@ class ParityWorkerExtension:
 
 
 def _checks(spec):
-    """The module whose adapter_pairs / check_hf_weights validate this spec's model."""
+    """The module whose adapter_pairs validate this spec's model."""
     if isinstance(spec, KimiSpec):
         from rollout import kimi
 
@@ -383,7 +383,7 @@ class RolloutEngine:
         reload; values are cast to the engine dtype as on a checkpoint load). Weights not
         named keep their values (vLLM logs them as not loaded)."""
         if self.parity:
-            _checks(self.spec).check_hf_weights(self.spec, named)
+            weights.check_hf_weights(self.spec, named)
         self._rpc("kimi_rl_update_weights", self._pack(named))
 
     def update_params_packed(self, flat, index) -> None:

@@ -38,7 +38,7 @@ The routing trace the tests compare with the trainer's is a debug wrapper of for
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -380,34 +380,6 @@ class ParityKimiModel(nn.Module):
 
 # --- checkpoint names, adapters -------------------------------------------------------------------
 
-_GATE, _UP = ".gate_proj.weight", ".up_proj.weight"
-
-
-def _fused_name(hf_name: str) -> tuple[str, int] | None:
-    """(rollout parameter name, 0 gate | 1 up) for an expert's gate/up weight, else None."""
-    for which, suffix in enumerate((_GATE, _UP)):
-        if hf_name.endswith(suffix) and ".mlp." in hf_name:
-            return hf_name[: -len(suffix)] + ".gate_up_proj.weight", which
-    return None
-
-
-def check_hf_weights(spec: KimiSpec, named: dict[str, torch.Tensor]) -> None:
-    """ValueError unless `named` are known HF weights with the right shapes whose fused groups
-    (an expert's gate and up) are complete; checked before an in-place reload starts."""
-    shapes = kimi.hf_weight_shapes(spec)
-    groups: dict[str, set[int]] = {}
-    for name, tensor in named.items():
-        if name not in shapes:
-            raise ValueError(f"unexpected weight {name!r}")
-        if tuple(tensor.shape) != shapes[name]:
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {shapes[name]}")
-        if fused := _fused_name(name):
-            groups.setdefault(fused[0], set()).add(fused[1])
-    for fused, parts in sorted(groups.items()):
-        if parts != {0, 1}:
-            raise ValueError(f"{fused}: needs both gate_proj and up_proj, got {sorted(parts)}")
-
-
 def _peft_table(spec: KimiSpec) -> dict[str, tuple[str, str, int, int]]:
     """peft name -> (HF module path, "A" | "B", in_features, out_features) of every LoRA part."""
     table = {}
@@ -506,7 +478,6 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
         self.dtype = model_config.dtype
         self.config = model_config.hf_config
         self.model = ParityKimiModel(self.spec, self.dtype, vllm_config.cache_config)
-        self._pending: dict[str, dict[int, torch.Tensor]] = {}
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return kernels.embedding(input_ids, self.model.embed_tokens.weight)
@@ -525,53 +496,6 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
         return kernels.linear(hidden_states, self.model.embed_tokens.weight)
 
     # --- weights --------------------------------------------------------------------------
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named checkpoint tensors into the parameters (in place, through vLLM's
-        weight_loader so it also serves reload_weights); an expert's gate/up are fused once
-        both arrived. Returns the names of the parameters written."""
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-        params = dict(self.named_parameters())
-        shapes = kimi.hf_weight_shapes(self.spec)
-        loaded: set[str] = set()
-
-        def put(name: str, tensor: torch.Tensor) -> None:
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            with torch.no_grad():
-                loader(param, tensor)
-            loaded.add(name)
-
-        for name, tensor in weights:
-            if name not in shapes:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            if fused := _fused_name(name):
-                parts = self._pending.setdefault(fused[0], {})
-                parts[fused[1]] = tensor
-                if len(parts) == 2:
-                    del self._pending[fused[0]]
-                    put(fused[0], torch.cat([parts[0], parts[1]], 0))
-            else:
-                put(name, tensor)
-        if self._pending:
-            incomplete = sorted(self._pending)
-            self._pending.clear()
-            raise ValueError(f"incomplete gate/up pairs in checkpoint: {incomplete}")
-        return loaded
-
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The held weights under their HF names (gate_up split back: views, no new bits)."""
-        params = dict(self.named_parameters())
-        for name in kimi.hf_weight_shapes(self.spec):
-            if fused := _fused_name(name):
-                w = params[fused[0]]
-                half = w.shape[0] // 2
-                yield name, (w[:half] if fused[1] == 0 else w[half:])
-            else:
-                yield name, params[name]
 
     # --- LoRA -----------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -222,54 +222,8 @@ class ParityModel(nn.Module):
         return kernels.rms_norm(x, self.norm.weight, self.spec.rms_norm_eps)
 
 
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$|rotary_emb\.(cos|sin)_cached$")
 # peft's LoRA names (parity.lora.peft_key): layer, target, "A" | "B".
 _PEFT_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight$")
-
-
-def hf_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """The shape of every weight a checkpoint may hold for `spec`, by HF name (lm_head too:
-    load_weights skips it when the embeddings are tied)."""
-    h, shapes = spec.hidden_size, part_shapes(spec)
-    out: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (spec.vocab_size, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (spec.vocab_size, h),
-    }
-    for i in range(spec.num_layers):
-        base = f"model.layers.{i}."
-        out[base + "input_layernorm.weight"] = (h,)
-        out[base + "post_attention_layernorm.weight"] = (h,)
-        for target, (fan_in, fan_out) in shapes.items():
-            block = "self_attn" if target in FUSED_PARTS["qkv"] + FUSED_PARTS["o"] else "mlp"
-            out[f"{base}{block}.{target}.weight"] = (fan_out, fan_in)
-        if spec.qk_norm:
-            out[base + "self_attn.q_norm.weight"] = (spec.head_dim,)
-            out[base + "self_attn.k_norm.weight"] = (spec.head_dim,)
-    return out
-
-
-def check_hf_weights(spec: ModelSpec, named: dict[str, torch.Tensor]) -> None:
-    """ValueError unless `named` is a set of known HF weights with the right shapes, whose fused
-    groups (q/k/v, gate/up of a layer) are complete. Checked before an in-place reload starts:
-    vLLM's reload moves the parameters to the meta device first, so a load_weights that fails
-    half-way would leave the model without weights."""
-    shapes = hf_weight_shapes(spec)
-    fused_of = {n: w for w in weights.weight_map(spec) if w.pack for n in w.hf}
-    groups: dict[str, set[str]] = {}
-    for name, tensor in named.items():
-        if _IGNORED.search(name):
-            continue
-        if name not in shapes:
-            raise ValueError(f"unexpected weight {name!r}")
-        if tuple(tensor.shape) != shapes[name]:
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {shapes[name]}")
-        if name in fused_of:
-            groups.setdefault(fused_of[name].rollout, set()).add(name)
-    for fused, parts in sorted(groups.items()):
-        wanted = {n for n in fused_of if fused_of[n].rollout == fused}
-        if parts != wanted:
-            raise ValueError(f"{fused}: {sorted(wanted - parts)} missing, fused with {sorted(parts)}")
 
 
 def adapter_pairs(
@@ -350,8 +304,6 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
             self.lm_head = _Weight(
                 self.spec.vocab_size // self.tp_size, self.spec.hidden_size, dtype=self.dtype
             )
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}  # fused name -> parts so far
-        self._from_hf = {n: w for w in weights.weight_map(self.spec) for n in w.hf}
         self._shard_kinds = weights.shard_kinds(self.spec, "rollout")
 
     def _check_spec(self, spec: ModelSpec) -> None:
@@ -424,63 +376,6 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
         """named_parameters() with every shard gathered back to the full tensor."""
         for name, param in self.named_parameters():
             yield name, self._full(name, param)
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named checkpoint tensors into the fused parameters (in place, so it also
-        serves vLLM's reload_weights). q/k/v and gate/up are packed once all parts of a layer
-        have arrived. Returns the names of the parameters written."""
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-
-        def put(name: str, tensor: torch.Tensor) -> None:
-            param = params[name]
-            tensor = self._local(name, tensor)  # the rank's shard (TP), else the tensor itself
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            # Through the parameter's weight_loader when vLLM installed one: its in-place reload
-            # (reload_weights) swaps parameters for meta tensors and copies what the wrapped
-            # loaders receive back into the live storage. Otherwise a plain copy.
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            with torch.no_grad():
-                loader(param, tensor)
-            loaded.add(name)
-
-        for name, tensor in named_tensors:
-            if _IGNORED.search(name):
-                continue
-            if name not in self._from_hf:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            w = self._from_hf[name]
-            if w.rollout not in params:  # lm_head of a tied checkpoint: the embedding serves
-                continue
-            parts = self._pending.setdefault(w.rollout, {})
-            parts[name] = tensor
-            if len(parts) == len(w.hf):  # every part of a fused tensor has arrived
-                del self._pending[w.rollout]
-                put(w.rollout, weights.pack(w, [parts[n] for n in w.hf], self.spec))
-        if self._pending:
-            incomplete = {f"{fused}: has {sorted(p)}" for fused, p in self._pending.items()}
-            self._pending.clear()
-            raise ValueError(f"incomplete fused weights in checkpoint: {sorted(incomplete)}")
-        return loaded
-
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The held weights under their HF checkpoint names: the inverse of load_weights
-        (fused tensors are unpacked, which moves bytes and changes none)."""
-        params = dict(self.full_parameters())
-        yield from weights.to_hf(params, self.spec, "rollout").items()
-
-    # --- LoRA -------------------------------------------------------------------------------
-
-    def _fused_linears(self) -> Iterator[tuple[int, _FusedLinear]]:
-        for i, layer in enumerate(self.model.layers):
-            for linear in (
-                layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj, layer.mlp.down_proj,
-            ):
-                yield i, linear
 
     # --- LoRA (the sync itself: rollout/sync.py) --------------------------------------------
 

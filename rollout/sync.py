@@ -1,15 +1,17 @@
 """What every rollout parity model does with a trainer -> rollout sync, written once.
 
 `SyncedModel` is mixed into each vLLM parity model class (rollout/llama.py, rollout/kimi.py):
-holding a LoRA adapter (from a dict of peft-named tensors, or from the wire format of
+loading checkpoint weights (vLLM's `load_weights`, by the one name map of
+parity/weights.py), holding a LoRA adapter (from a dict of peft-named tensors, or from the wire format of
 parity/wire.py as one buffer whose views the linears compute from, so a re-sync is one copy),
 dropping it, full-weight syncs by the model's own parameter names, and the checksums of all of
 these. A model supplies only what differs by architecture:
 
+    spec                                        its parity.model_spec spec (names: parity/weights.py)
     _adapter_pairs(tensors, scaling) -> pairs   check an adapter against the model (ValueError)
     _hold(pairs, scaling, copy)                 hand each linear its pairs (copies if copy)
     _held() -> [(peft name, tensor)]            the adapter tensors it holds now
-    hf_weights() -> [(HF name, tensor)]         its weights under HF checkpoint names
+    _adapter_linears() -> linears               the linears that hold adapter pairs
 
 and, under tensor parallelism, `full_parameters` / `_full_shape` / `_local` (full tensors <->
 this rank's shards; the defaults below are TP=1).
@@ -18,10 +20,11 @@ this rank's shards; the defaults below are TP=1).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
+from parity import weights
 from parity.compare import tensor_checksum
 from parity.wire import Index, as_bytes_tensor, unpack_tensors
 
@@ -40,8 +43,6 @@ class SyncedModel:
     def _held(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        raise NotImplementedError
 
     # --- tensor parallelism (TP=1 defaults) ----------------------------------------------------
 
@@ -102,6 +103,50 @@ class SyncedModel:
         return {name: tensor_checksum(t) for name, t in self._held()}
 
     # --- full weights ------------------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """vLLM's loader entry: copy HF-named checkpoint tensors into the fused parameters
+        (parity/weights.py names them), in place, so it also serves vLLM's reload_weights.
+        A fused tensor is packed once all its parts have arrived. Returns the names written."""
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        params = dict(self.named_parameters())
+        from_hf = {n: w for w in weights.weight_map(self.spec) for n in w.hf}
+        pending: dict[str, dict[str, torch.Tensor]] = {}  # fused name -> its parts so far
+        loaded: set[str] = set()
+        for name, tensor in named_tensors:
+            if weights.IGNORED_HF.search(name):
+                continue
+            if name not in from_hf:
+                raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            w = from_hf[name]
+            if w.rollout not in params:  # lm_head of a tied checkpoint: the embedding serves
+                continue
+            parts = pending.setdefault(w.rollout, {})
+            parts[name] = tensor
+            if len(parts) < len(w.hf):
+                continue
+            del pending[w.rollout]
+            param = params[w.rollout]
+            # the rank's shard (TP), else the tensor itself
+            full = self._local(w.rollout, weights.pack(w, [parts[n] for n in w.hf], self.spec))
+            if tuple(param.shape) != tuple(full.shape):
+                raise ValueError(f"{w.rollout}: checkpoint shape {tuple(full.shape)} != {tuple(param.shape)}")
+            # Through the parameter's weight_loader when vLLM installed one: its in-place reload
+            # swaps parameters for meta tensors and copies what the wrapped loaders receive
+            # back into the live storage. Otherwise a plain copy.
+            with torch.no_grad():
+                getattr(param, "weight_loader", default_weight_loader)(param, full)
+            loaded.add(w.rollout)
+        if pending:
+            raise ValueError(f"incomplete fused weights in checkpoint: {sorted(pending)} "
+                             f"(has {sorted(n for p in pending.values() for n in p)})")
+        return loaded
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The held weights under their HF checkpoint names: the inverse of load_weights
+        (fused tensors are unpacked, which moves bytes and changes none)."""
+        yield from weights.to_hf(dict(self.full_parameters()), self.spec, "rollout").items()
 
     def update_params_packed(self, flat, index: Index) -> None:
         """Full-weight sync in the wire format, by this model's own parameter names and fused
