@@ -379,6 +379,14 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
 
     # --- LoRA (the sync itself: rollout/sync.py) --------------------------------------------
 
+    def _fused_linears(self) -> Iterator[tuple[int, _FusedLinear]]:
+        for i, layer in enumerate(self.model.layers):
+            for linear in (
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj, layer.mlp.down_proj,
+            ):
+                yield i, linear
+
     def _adapter_pairs(self, tensors: dict[str, torch.Tensor], scaling: float):
         return adapter_pairs(self.spec, self.dtype, tensors, scaling)
 

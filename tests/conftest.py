@@ -47,3 +47,15 @@ def megatron():
     from trainer.megatron_patches import init_megatron
 
     init_megatron()
+
+
+def write_prompt_file(directory, lengths, seed: int = 0, vocab: int = 500):
+    """A `--prompts` JSONL file of random token-id prompts of the given lengths."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    path = directory / "prompts.jsonl"
+    rows = [{"prompt_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in lengths]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -10,7 +10,6 @@ mixes prefill with decode.
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch
 from parity import kimi
 from parity.model_spec import KimiSpec
 from rl.checker import CheckArgs, run_check
+from tests.conftest import write_prompt_file
 
 PROMPT_LENS = (1, 5, 17, 40, 130, 300)
 BATCH_SIZES = [1, 16]
@@ -27,11 +27,7 @@ CASES = [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)]
 
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    rows = [{"prompt_ids": [rng.randrange(3, 500) for _ in range(n)]} for n in PROMPT_LENS]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_prompt_file(tmp_path_factory.mktemp("prompts"), PROMPT_LENS)
 
 
 def write_random_adapter(model_dir: str, out_dir, rank: int = 4, alpha: float = 8.0, seed: int = 0):

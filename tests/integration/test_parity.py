@@ -12,12 +12,12 @@ batch positions (see rl.checker.batches_for).
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
 from rl.checker import CheckArgs, run_check
+from tests.conftest import write_prompt_file
 
 PROMPT_LENS = (1, 5, 17, 64, 130, 300, 620)
 BATCH_SIZES = [1, 3, 8, 32]
@@ -27,11 +27,7 @@ CASES = [("llama", "fp32"), ("llama", "bf16"), ("qwen3", "fp32"), ("qwen3", "bf1
 
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    rows = [{"prompt_ids": [rng.randrange(3, 500) for _ in range(n)]} for n in PROMPT_LENS]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_prompt_file(tmp_path_factory.mktemp("prompts"), PROMPT_LENS)
 
 
 def _check(model_dir, dtype, prompt_file, parity: bool, batch_sizes=BATCH_SIZES):

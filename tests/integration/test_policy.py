@@ -13,8 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from rl.config import AlgorithmConfig, LoraConfig, TrainerConfig
-from rl.errors import UserError
-from trainer.checkpoint import load_checkpoint, read_checkpoint_state, save_checkpoint
+from trainer.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    read_checkpoint_state,
+    save_checkpoint,
+)
 from trainer.logprobs import forward_logits, sequence_logprobs
 from trainer.model import load_model
 from trainer.policy import Batch, PolicyTrainer
@@ -201,31 +205,31 @@ def test_stock_megatron_with_truncated_importance_sampling(path):
     assert stats["is/ratio_mean"] < 1.0 and stats["is/capped_frac"] == 0.0
 
 
-def test_missing_and_corrupt_checkpoints_raise_user_errors(path, tmp_path):
+def test_missing_and_corrupt_checkpoints_raise_checkpoint_errors(path, tmp_path):
     trainer = make(path)
-    with pytest.raises(UserError, match="no such checkpoint"):
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "nope", trainer)
-    with pytest.raises(UserError, match="no checkpoints/latest"):
+    with pytest.raises(CheckpointError, match="no checkpoints/latest"):
         load_checkpoint(tmp_path, trainer)
     step = save_checkpoint(tmp_path, 5, trainer, extra={})
     assert read_checkpoint_state(tmp_path) == {"step": 5, "extra": {}, "path": step}
     (step / "state.json").write_text("{not json")
-    with pytest.raises(UserError, match="step_000005: corrupt"):
+    with pytest.raises(CheckpointError, match="step_000005: corrupt"):
         read_checkpoint_state(step)
     (step / "state.json").write_text('{"step": 5, "extra": {}}')
     (step / "trainer.pt").write_bytes((step / "trainer.pt").read_bytes()[:100])
-    with pytest.raises(UserError, match="step_000005: corrupt"):
+    with pytest.raises(CheckpointError, match="step_000005: corrupt"):
         load_checkpoint(tmp_path, trainer)
     (tmp_path / "checkpoints" / "latest").write_text("step_000009\n")
-    with pytest.raises(UserError, match="step_000009"):
+    with pytest.raises(CheckpointError, match="step_000009"):
         load_checkpoint(tmp_path, trainer)
     other = save_checkpoint(tmp_path / "ppo", 1, make(path, "ppo"), extra={})
-    with pytest.raises(UserError, match="does not fit this trainer"):
+    with pytest.raises(CheckpointError, match="does not fit this trainer"):
         load_checkpoint(other, trainer)
 
 
 def test_unavailable_optimizer_is_named(path):
-    with pytest.raises(UserError, match="trainer.optimizer.*deepspeed_cpu_adam"):
+    with pytest.raises(ValueError, match="trainer.optimizer.*deepspeed_cpu_adam"):
         PolicyTrainer(path, trainer=TrainerConfig(optimizer="deepspeed_cpu_adam"))
 
 

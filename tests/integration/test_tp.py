@@ -11,14 +11,13 @@
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from rl.checker import CheckArgs, run_check, score_tensor_parallel
+from tests.conftest import write_prompt_file
 
 PROMPT_LENS = (1, 5, 17, 64, 130, 300)
 BATCH_SIZES = [1, 8]
@@ -28,11 +27,7 @@ TP = 2
 
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    rows = [{"prompt_ids": [rng.randrange(3, 500) for _ in range(n)]} for n in PROMPT_LENS]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_prompt_file(tmp_path_factory.mktemp("prompts"), PROMPT_LENS)
 
 
 def _args(model_dir, dtype, prompt_file, tp=TP) -> CheckArgs:
