@@ -1,14 +1,17 @@
 """`kimi-rl parity check`: sample in vLLM, re-score the same tokens in Megatron, compare.
 
 Flow: validate every input before any engine starts; sample completions for each batch size
-with one vLLM engine (temperature 1, engine-seeded); close it; score exactly those tokens with
-the Megatron trainer (in different batches than vLLM used); compare bit for bit; print a
-table; write report.json + HTML + PNGs; exit 1 on any mismatch when parity is on.
+with one vLLM engine (engine-seeded; temperature / top-p / top-k from the flags, default 1 / off /
+off); close it; score exactly those tokens with the Megatron trainer (in different batches than
+vLLM used) under the same sampling transform (parity.sampling: vLLM's processed log-probs);
+compare bit for bit; print a table; write report.json + HTML + PNGs; exit 1 on any mismatch
+when parity is on.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -19,6 +22,7 @@ import torch
 
 from parity.compare import compare_logprobs
 from parity.dtypes import torch_dtype
+from parity.sampling import Sampling
 from rl.errors import UserError
 
 BUILTIN_PROMPTS = [
@@ -51,6 +55,7 @@ class CheckArgs:
     max_num_batched_tokens: int | None
     tensor_parallel_size: int = 1
     adapter: Path | None = None  # a peft LoRA adapter directory, applied on both sides
+    sampling: Sampling = Sampling()  # what vLLM samples from; both sides score that distribution
 
 
 def load_adapter(path: Path) -> tuple[dict[str, torch.Tensor], int, float, list[str]]:
@@ -94,6 +99,10 @@ def add_parity_commands(subparsers) -> None:
         "--tensor-parallel-size", type=int, default=1,
         help="TP degree of both sides: vLLM workers and Megatron ranks (gloo), default 1",
     )
+    check.add_argument("--temperature", type=float, default=1.0,
+                       help="sampling temperature (>= 1e-5), default 1")
+    check.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, (0, 1]; 1 = off")
+    check.add_argument("--top-k", type=int, default=0, help="top-k sampling; 0 = off")
     check.add_argument(
         "--adapter", help="peft LoRA adapter directory (e.g. RUN_DIR/checkpoints/step_N/adapter):"
         " both sides compute with it",
@@ -174,6 +183,12 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         if ns.parity != "on":
             raise UserError("--adapter needs --parity on (the parity models hold adapters in memory)")
         load_adapter(adapter)  # fail on a bad adapter before any engine starts
+    try:
+        sampling = Sampling(getattr(ns, "temperature", 1.0), getattr(ns, "top_p", 1.0),
+                            getattr(ns, "top_k", 0))
+    except ValueError as e:  # "top_p must be in (0, 1], got 2.0" -> "--top-p must be ..."
+        flag, _, rest = str(e).partition(" ")
+        raise UserError(f"--{flag.replace('_', '-')} {rest}") from None
     report = Path(ns.report) if ns.report else None
     if report is not None and report.exists() and not report.is_dir():
         raise UserError(f"--report: {report} exists and is not a directory")
@@ -182,7 +197,7 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         max_tokens=ns.max_tokens, batch_sizes=_parse_batch_sizes(ns.batch_sizes),
         parity=ns.parity == "on", seed=ns.seed, report=report,
         max_num_batched_tokens=ns.max_num_batched_tokens, tensor_parallel_size=tp_size,
-        adapter=adapter,
+        adapter=adapter, sampling=sampling,
     )
 
 
@@ -263,7 +278,8 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
             progress.update(task, description="sampling in vLLM", total=len(plan), completed=0)
             for bs, idx in plan:
                 samples.setdefault(bs, []).extend(
-                    engine.generate([prompts[i] for i in idx], max_tokens=args.max_tokens)
+                    engine.generate([prompts[i] for i in idx], max_tokens=args.max_tokens,
+                                    sampling=args.sampling)
                 )
                 progress.advance(task)
     rollout_seconds = time.perf_counter() - t0
@@ -291,7 +307,8 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
             for i in range(0, len(completions), step):
                 chunk = completions[i : i + step]
                 train_logprobs += sequence_logprobs(
-                    model, [c.prompt_ids + c.token_ids for c in chunk], [len(c.prompt_ids) for c in chunk]
+                    model, [c.prompt_ids + c.token_ids for c in chunk], [len(c.prompt_ids) for c in chunk],
+                    sampling=args.sampling,
                 )
                 progress.advance(task, len(chunk))
     train_seconds = time.perf_counter() - t1
@@ -315,6 +332,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
         "batch_sizes": args.batch_sizes,
         "tensor_parallel_size": args.tensor_parallel_size,
         "adapter": str(args.adapter) if args.adapter else None,
+        "sampling": dataclasses.asdict(args.sampling),
         **total.to_dict(),
         "passed": total.all_equal,
         "per_batch_size": per_bs,
@@ -334,6 +352,7 @@ def _attach_adapter(model, spec, adapter) -> None:
 def _score_rank(
     rank: int, size: int, port: int, model_dir: str, dtype: str, parity: bool, seed: int,
     sequences: list[list[int]], starts: list[int], out_path: str, adapter=None,
+    sampling: Sampling | None = None,
 ) -> None:
     """One Megatron tensor-parallel rank of score_tensor_parallel (a spawned process)."""
     os.environ.update(
@@ -357,7 +376,7 @@ def _score_rank(
     out = []
     with torch.no_grad():
         for i in range(0, len(sequences), 8):  # the TP=1 path's grouping
-            out += sequence_logprobs(model, sequences[i : i + 8], starts[i : i + 8])
+            out += sequence_logprobs(model, sequences[i : i + 8], starts[i : i + 8], sampling=sampling)
     if rank == 0:
         torch.save(out, out_path)
     dist.barrier()
@@ -383,7 +402,7 @@ def score_tensor_parallel(
         mp.spawn(
             _score_rank, nprocs=size, join=True,
             args=(size, free_port(), str(args.model), args.dtype, args.parity, args.seed,
-                  sequences, starts, out_path, adapter),
+                  sequences, starts, out_path, adapter, args.sampling),
         )
         return torch.load(out_path)
 
@@ -391,7 +410,11 @@ def score_tensor_parallel(
 def print_table(report: dict, console) -> None:
     from rich.table import Table
 
-    table = Table(title=f"parity {report['parity']} · {report['dtype']} · {report['model']}")
+    title = f"parity {report['parity']} · {report['dtype']} · {report['model']}"
+    sampling = report.get("sampling") or {}
+    if sampling and Sampling(**sampling) != Sampling():
+        title += " · " + " ".join(f"{k.replace('_', '-')} {v}" for k, v in sampling.items())
+    table = Table(title=title)
     for col in ("batch", "tokens", "equal", "max |Δ|", "mean |Δ|", "KL k1", "KL k3"):
         table.add_column(col, justify="right")
     rows = list(report["per_batch_size"].items()) + [("all", report)]

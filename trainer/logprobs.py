@@ -6,6 +6,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from parity import kernels
+from parity.sampling import Sampling, processed_logits
 from trainer.megatron_patches import cpu_current_device
 
 
@@ -22,13 +23,16 @@ def forward_logits(model: GPTModel, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_logprobs(
-    model: GPTModel, sequences: list[list[int]], starts: list[int], batch_size: int = 8
+    model: GPTModel, sequences: list[list[int]], starts: list[int], batch_size: int = 8,
+    sampling: Sampling | None = None,
 ) -> list[torch.Tensor]:
     """For each sequence, log p(seq[i] | seq[:i]) for i in [start, len): float32 [len - start].
 
-    Sequences are batched by length (results come back in the given order) and right-padded;
-    causal attention keeps padding out of the scored positions. The kernels are batch
-    invariant, so the grouping changes the cost, never a bit of the result.
+    p is the distribution `sampling` samples from (parity.sampling: temperature-scaled, top-k /
+    top-p renormalised over the kept set; vLLM's processed log-probs), or the raw softmax when
+    `sampling` is None. Sequences are batched by length (results come back in the given order)
+    and right-padded; causal attention keeps padding out of the scored positions. The kernels
+    are batch invariant, so the grouping changes the cost, never a bit of the result.
     """
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     out: list[torch.Tensor | None] = [None] * len(sequences)
@@ -38,9 +42,11 @@ def sequence_logprobs(
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         for row, r in enumerate(rows):
             ids[row, : len(sequences[r])] = torch.tensor(sequences[r])
-        logits = forward_logits(model, ids)
+        logits = forward_logits(model, ids)[:, :-1]
+        if sampling is not None:
+            logits = processed_logits(logits, sampling)
         ids = ids.to(logits.device)
-        logp = kernels.token_logprobs(logits[:, :-1], ids[:, 1:])  # position j scores token j+1
+        logp = kernels.token_logprobs(logits, ids[:, 1:])  # position j scores token j+1
         for row, r in enumerate(rows):
             out[r] = logp[row, starts[r] - 1 : len(sequences[r]) - 1].float().cpu()
     return out  # type: ignore[return-value]

@@ -10,7 +10,10 @@ Ray actor in rl/ wraps it. Everything goes in and out as token lists, tensors an
 - Critic (ppo): its own LoRA slot ("critic") on the frozen base plus an fp32 value head on the
   final-norm hidden states. The policy slot's forward math is untouched by it.
 - Old log-probs are `trainer.logprobs.sequence_logprobs` of the current policy, so with parity
-  on they are bitwise the rollout engine's. parity=False trains the stock Megatron model (its
+  on they are bitwise the rollout engine's. Every policy log-prob (old, new, the entropy) is of
+  the distribution the rollout samples from (`sampling`: temperature, top-k, top-p, computed by
+  parity.sampling as vLLM's sampler does); the reference's is temperature-scaled only (its
+  top-p set is not the policy's, and a sampled token outside it would make the KL infinite). parity=False trains the stock Megatron model (its
   linears get the adapter hook) and may correct the mismatch with TIS / MIS weights.
 
 Sequences are token lists; `starts[i]` is the prompt length, and tokens seq[start:] (the
@@ -31,6 +34,7 @@ from torch import Tensor
 
 from parity import kernels
 from parity.model_spec import load_spec
+from parity.sampling import Sampling, processed_logits
 from trainer import lora as lora_lib
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from trainer.convert import megatron_to_hf
@@ -137,8 +141,10 @@ class PolicyTrainer:
         trainer: TrainerConfig | None = None,
         algorithm: AlgorithmConfig | None = None,
         seed: int = 0,
+        sampling: Sampling | None = None,
     ):
         self.model_dir = Path(model_dir)
+        self.sampling = sampling or Sampling()
         self.dtype, self.parity = dtype, parity
         self.lora_config = lora or LoraConfig()
         self.config = trainer or TrainerConfig()
@@ -208,9 +214,12 @@ class PolicyTrainer:
     # --- scoring --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def logprobs(self, sequences: list[list[int]], starts: list[int]) -> list[Tensor]:
-        """Current-policy log-probs of seq[start:], float32: exactly sequence_logprobs."""
-        return sequence_logprobs(self.model, sequences, starts, self.config.micro_batch_size)
+    def logprobs(self, sequences: list[list[int]], starts: list[int], raw: bool = False) -> list[Tensor]:
+        """Current-policy log-probs of seq[start:], float32: exactly sequence_logprobs, of the
+        sampled distribution (vLLM's processed log-probs), or of the raw softmax with `raw`
+        (what vLLM's teacher-forced prompt log-probs are)."""
+        sampling = None if raw else self.sampling
+        return sequence_logprobs(self.model, sequences, starts, self.config.micro_batch_size, sampling)
 
     @torch.no_grad()
     def ref_logprobs(self, sequences: list[list[int]], starts: list[int]) -> list[Tensor]:
@@ -218,8 +227,9 @@ class PolicyTrainer:
         if self.frozen is None:
             raise ValueError("no reference policy: a full fine-tune keeps a frozen base copy "
                              "only when algorithm.kl_coef > 0 or algorithm.name is ppo")
+        tempered = Sampling(temperature=self.sampling.temperature)
         with lora_lib.adapters_disabled(self.frozen):
-            return sequence_logprobs(self.frozen, sequences, starts, self.config.micro_batch_size)
+            return sequence_logprobs(self.frozen, sequences, starts, self.config.micro_batch_size, tempered)
 
     @torch.no_grad()
     def values(self, sequences: list[list[int]], starts: list[int]) -> list[Tensor]:
@@ -234,8 +244,9 @@ class PolicyTrainer:
         return out
 
     def _policy_forward(self, mb: _Micro) -> tuple[Tensor, Tensor]:
-        """(log-probs [B, T] of the response tokens, logits [B, W - 1, V]), with grad."""
-        logits = forward_logits(self.model, mb.ids)[:, :-1]
+        """(log-probs [B, T] of the response tokens, logits [B, W - 1, V] of the sampled
+        distribution), with grad."""
+        logits = processed_logits(forward_logits(self.model, mb.ids)[:, :-1], self.sampling)
         # The same ops as sequence_logprobs (gather picks the same elements it slices), so at
         # the first minibatch the new log-probs equal the old ones bitwise: ratio exactly 1.
         logp = kernels.token_logprobs(logits, mb.ids[:, 1:]).gather(1, mb.index)

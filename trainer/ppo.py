@@ -219,9 +219,11 @@ def value_loss(
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) over the last dim: [..., V] -> [...], computed in fp32."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    p = logp.exp()
-    # p log p -> 0 as p -> 0; the where keeps -inf logits (banned tokens) from giving 0 * -inf.
-    return -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+    # p log p -> 0 as p -> 0. -inf logits (tokens outside a top-k / top-p set) have p = 0 and
+    # log p = -inf: zero their log p before the product, so neither the value (0 * -inf) nor
+    # the gradient (d(p log p)/dp = log p) is NaN.
+    finite = logp.masked_fill(torch.isneginf(logp), 0.0)
+    return -(logp.exp() * finite).sum(-1)
 
 
 # --- rollout / trainer mismatch ---------------------------------------------------------------

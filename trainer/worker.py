@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from parity.sampling import Sampling
 from parity.wire import pack_tensors
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 
@@ -16,6 +17,7 @@ class TrainerWorker:
     def __init__(
         self, model_path: str, dtype: str, *, parity: bool, lora: LoraConfig,
         trainer: TrainerConfig, algorithm: AlgorithmConfig, seed: int,
+        sampling: Sampling | None = None,
     ) -> None:
         from trainer.megatron_patches import free_port, init_megatron
         from trainer.policy import PolicyTrainer
@@ -30,7 +32,7 @@ class TrainerWorker:
         self.lora = lora
         self.policy = PolicyTrainer(
             model_path, dtype, parity=parity, lora=lora, trainer=trainer, algorithm=algorithm,
-            seed=seed,
+            seed=seed, sampling=sampling,
         )
 
     def rollout_tensors(self) -> dict[str, torch.Tensor]:
@@ -74,8 +76,8 @@ class TrainerWorker:
     def lora_scaling(self) -> float | None:
         return self.policy.lora_scaling
 
-    def logprobs(self, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
-        return self.policy.logprobs(sequences, starts)
+    def logprobs(self, sequences: list[list[int]], starts: list[int], raw: bool = False) -> list[torch.Tensor]:
+        return self.policy.logprobs(sequences, starts, raw)
 
     def train_step(self, batch: dict) -> dict:
         """The step's stats, and the old-policy log-probs it computed before updating (the

@@ -299,6 +299,20 @@ def test_entropy():
     assert entropy_from_logits(logits.bfloat16()).dtype == torch.float32
 
 
+def test_entropy_gradient_with_masked_tokens():
+    """Top-k / top-p leave -inf logits: the entropy over the kept tokens, and a finite gradient
+    (0 for the masked ones), as for the kept tokens alone."""
+    x = torch.randn(3, 6, requires_grad=True)
+    keep = torch.tensor([True, False, True, True, False, True])
+    masked = x.masked_fill(~keep, float("-inf"))
+    entropy_from_logits(masked).sum().backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[:, ~keep] == 0).all()
+    y = x.detach()[:, keep].requires_grad_()
+    entropy_from_logits(y).sum().backward()
+    assert close(x.grad[:, keep], y.grad, 1e-6)
+    assert close(entropy_from_logits(masked), entropy_from_logits(y), 1e-6)
+
+
 # --- importance weights -----------------------------------------------------------------------
 
 
