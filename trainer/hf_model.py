@@ -28,9 +28,9 @@ and the rollout's math (peft's own forward would compute the delta in the adapte
 `peft_model.disable_adapter()` switches the deltas off (the reference policy).
 
 Scope: whole right-padded sequences from position 0 (teacher-forced scoring and training);
-no KV cache, no generation (that runs in vLLM). Under DeepSpeed ZeRO-3 the attention and MLP
-modules are ZeRO-3 leaf modules (`ZERO3_LEAF_CLASSES`): they read their children's weights,
-so ZeRO gathers the whole subtree when they start.
+no KV cache, no generation (that runs in vLLM). The attention and MLP modules read their
+children's weights without running them (`FUSED_READERS`): under DeepSpeed ZeRO-3 those weights
+are registered as their external parameters (trainer.deepspeed_engine).
 """
 
 from __future__ import annotations
@@ -179,8 +179,11 @@ class ParityMLP(nn.Module):
         return fused_linear("down", h, self, spec)
 
 
-# DeepSpeed ZeRO-3 must gather these modules' whole subtrees at once (see module docstring).
-ZERO3_LEAF_CLASSES = (ParityAttention, ParityMLP)
+# Modules that read their children's weights instead of running them (DeepSpeed ZeRO-3 must
+# gather those weights for them: trainer.deepspeed_engine.register_external_weights), and the
+# children they do run as modules (which gather their own).
+FUSED_READERS = (ParityAttention, ParityMLP)
+FUSED_RUN_AS_MODULES = (ParityRMSNorm,)
 
 
 def to_parity(model: nn.Module, spec: ModelSpec) -> nn.Module:
