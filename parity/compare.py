@@ -7,10 +7,10 @@ policy: with log r = train_logprob - rollout_logprob, k1 = E[-log r], k3 = E[r -
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass
 
 import torch
+import xxhash
 
 
 @dataclass
@@ -65,7 +65,10 @@ def compare_logprobs(
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's raw bytes in row-major order (any dtype, bf16 included): the
-    trainer and every rollout worker compute it the same way, so equal digests mean equal bits."""
+    """XXH3-128 of a tensor's raw bytes in row-major order (any dtype, bf16 included): the
+    trainer and every rollout worker compute it the same way, so equal digests mean equal bits.
+    A sync is verified every step, so the hash must cost less than the copy it checks: XXH3
+    reads ~20x faster than sha256 here (a 9 MB adapter: ~1.7 ms vs ~33 ms). It guards against
+    corruption and stale buffers, not against an adversary (nobody untrusted writes the bytes)."""
     raw = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy()).hexdigest()
+    return xxhash.xxh3_128_hexdigest(raw.numpy())

@@ -6,8 +6,11 @@ Shards (rank r of `size`), the same on the rollout and the trainer (they are Meg
   pieces, i.e. whole KV groups ([q of the group; k; v]) per rank;
 - column-parallel [gate; up]: [gate_r; up_r] (each half chunked, the rank's pieces stacked);
 - row-parallel o_proj / down_proj: columns (dim 1) chunked;
-- lm-head / output layer (tied or not): vocabulary rows chunked; the logits of the shards are
-  concatenated in rank order (an exact all-gather);
+- lm-head / output layer (tied or not): vocabulary rows, padded with zero rows up to a multiple
+  of `size` (`padded_vocab`, as Megatron's make_vocab_size_divisible_by and vLLM's
+  ParallelLMHead pad), then chunked; the logits of the shards are concatenated in rank order (an
+  exact all-gather) and the padded columns are cut off before anything reads them, so a padded
+  row is never sampled and never in a log-softmax's normaliser;
 - the embedding lookup is exact whichever rank holds a row; norms are replicated.
 
 The cross-rank sum of a row-parallel layer is `rank_ordered_sum`: every rank all-gathers the
@@ -34,8 +37,8 @@ def check_tp(spec, size: int) -> None:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     for what, n in (
         ("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads),
-        ("intermediate_size", spec.intermediate_size), ("vocab_size", spec.vocab_size),
-    ):
+        ("intermediate_size", spec.intermediate_size),
+    ):  # the vocabulary is padded instead (padded_vocab)
         if n % size:
             raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={size}")
 
@@ -43,6 +46,24 @@ def check_tp(spec, size: int) -> None:
 def shard_rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """Column-parallel shard (QKV grouped per KV head, lm-head/embedding vocab rows)."""
     return t.chunk(size, dim=0)[rank].contiguous() if size > 1 else t
+
+
+def padded_vocab(vocab: int, size: int) -> int:
+    """The vocabulary rounded up to a multiple of `size` (the zero rows each side adds)."""
+    return -(-vocab // size) * size
+
+
+def shard_vocab(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s rows of a [vocab, ...] embedding / lm-head padded to padded_vocab rows: a
+    view where the rank's rows all exist, zero rows appended on the rank that holds the end."""
+    if size == 1:
+        return t
+    per = padded_vocab(t.shape[0], size) // size
+    start, stop = rank * per, min((rank + 1) * per, t.shape[0])
+    part = t[start:stop]
+    if stop - start == per:
+        return part
+    return torch.cat([part, part.new_zeros(per - max(stop - start, 0), *t.shape[1:])])
 
 
 def shard_cols(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:

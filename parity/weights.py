@@ -28,7 +28,7 @@ from parity.model_spec import KimiSpec, ModelSpec
 
 Side = Literal["megatron", "rollout"]
 Pack = Literal["qkv", "gate_up"] | None
-Shard = Literal["rows", "cols", "gate_up"] | None
+Shard = Literal["rows", "vocab", "cols", "gate_up"] | None
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def _dense(spec: ModelSpec) -> list[Weight]:
     # The embedding: Megatron's VocabParallelEmbedding shards vocabulary rows; the rollout
     # model replicates it (a lookup is exact whichever rank holds the row).
     out = [Weight("embedding.word_embeddings.weight", "model.embed_tokens.weight",
-                  ("model.embed_tokens.weight",), megatron_shard="rows")]
+                  ("model.embed_tokens.weight",), megatron_shard="vocab")]
     for i in range(spec.num_layers):
         m, r = f"decoder.layers.{i}.", f"model.layers.{i}."
         attn = r + "self_attn."
@@ -78,7 +78,7 @@ def _dense(spec: ModelSpec) -> list[Weight]:
         ]
     out.append(Weight("decoder.final_layernorm.weight", "model.norm.weight", ("model.norm.weight",)))
     if not spec.tie_word_embeddings:  # tied checkpoints store no lm_head (as HF saves them)
-        out.append(Weight("output_layer.weight", "lm_head.weight", ("lm_head.weight",), None, "rows", "rows"))
+        out.append(Weight("output_layer.weight", "lm_head.weight", ("lm_head.weight",), None, "vocab", "vocab"))
     return out
 
 
@@ -198,17 +198,22 @@ def shard_tensor(t: torch.Tensor, kind: Shard, rank: int, size: int) -> torch.Te
         return t
     if kind == "rows":
         return tp.shard_rows(t, rank, size)
+    if kind == "vocab":
+        return tp.shard_vocab(t, rank, size)
     if kind == "cols":
         return tp.shard_cols(t, rank, size)
     return tp.shard_gate_up(t, rank, size)
 
 
-def unshard_tensor(shards: list[torch.Tensor], kind: Shard) -> torch.Tensor:
-    """Inverse of shard_tensor over every rank's shard, in rank order."""
+def unshard_tensor(shards: list[torch.Tensor], kind: Shard, vocab: int | None = None) -> torch.Tensor:
+    """Inverse of shard_tensor over every rank's shard, in rank order (`vocab`: the unpadded
+    row count of a "vocab" shard)."""
     if kind is None:
         return shards[0]
     if kind == "gate_up":
         return tp.unshard_gate_up(shards)
+    if kind == "vocab":
+        return torch.cat(shards, dim=0)[:vocab]
     return torch.cat(shards, dim=0 if kind == "rows" else 1)
 
 

@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from parity.hf_config import register_hf_config
+
+    # A CLI process registers what it needs itself: kimi-mini's model_type is unknown to
+    # transformers, and the tokenizer / config of a model directory load through AutoConfig
+    # before any vLLM plugin has run.
+    register_hf_config()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

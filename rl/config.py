@@ -358,7 +358,15 @@ def _check(cfg: Config, sources: _Sources) -> None:
         if not cfg.parity:
             raise err("parity", "must be true for kimi-mini: its KDA / MLA / MoE layers exist only "
                       "as parity implementations (there is no stock vLLM / Megatron version)")
-    elif cfg.lora.enabled:
+    elif not cfg.parity:
+        from parity.model_spec import load_spec
+        from rollout.engine import check_stock_engine
+
+        try:
+            check_stock_engine(load_spec(model_dir))
+        except ValueError as e:
+            raise err("parity", f"is false, but stock vLLM cannot run {model_dir}: {e}") from None
+    if architectures[0] != "KimiMiniForCausalLM" and cfg.lora.enabled:
         for module in cfg.lora.target_modules:
             if module in KIMI_ONLY_LORA_MODULES:
                 raise err("lora.target_modules", f"{module!r} exists in kimi-mini's MLA layers only, "

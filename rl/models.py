@@ -376,21 +376,63 @@ def kimi_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
     return out
 
 
-def _kimi_overrides(pairs: Iterable[str]) -> dict[str, Any]:
-    """`--set KEY=VALUE` pairs (VALUE as JSON, else a string) for kimi-mini's config.json."""
+# What `model init --set` may change, per family; the rest of config.json follows from these.
+DENSE_SETTABLE = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "vocab_size", "tie_word_embeddings", "max_position_embeddings",
+)
+# Keys a user may reach for that are derived, with where they come from.
+DERIVED = {
+    "num_hidden_layers": "it is the length of layer_types",
+    "vocab_size": "it is the tokenizer's size rounded up to a multiple of 64",
+    "tie_word_embeddings": "kimi-mini always ties its embeddings",
+}
+
+
+def settable_keys(arch: str) -> tuple[str, ...]:
     from parity.model_spec import KimiSpec
 
+    if arch == "kimi-mini":
+        return tuple(sorted(set(KimiSpec.__dataclass_fields__) - {"vocab_size", "tie_word_embeddings"}))
+    return DENSE_SETTABLE
+
+
+def parse_overrides(arch: str, pairs: Iterable[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` pairs (VALUE as JSON, else a string) for `arch`'s config.json."""
+    settable = settable_keys(arch)
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
-        if not sep or key not in KimiSpec.__dataclass_fields__ or key in ("vocab_size", "tie_word_embeddings"):
-            settable = sorted(set(KimiSpec.__dataclass_fields__) - {"vocab_size", "tie_word_embeddings"})
-            raise UserError(f"--set {pair!r}: expected KEY=VALUE with KEY one of {', '.join(settable)}")
+        if not sep or not key:
+            raise UserError(f"--set {pair!r}: expected KEY=VALUE")
+        if key not in settable:
+            why = DERIVED.get(key) if arch == "kimi-mini" else None
+            raise UserError(
+                f"--set {key}: not settable for --arch {arch}"
+                + (f" ({why})" if why else "") + f"; settable: {', '.join(settable)}"
+            )
         try:
             out[key] = json.loads(text)
         except json.JSONDecodeError:
             out[key] = text
     return out
+
+
+def _check_dense_overrides(config: PretrainedConfig, overrides: dict[str, Any], tokens: int) -> None:
+    """Refuse a --set shape the models cannot hold (one line naming the key)."""
+    for key, value in overrides.items():
+        if key == "tie_word_embeddings":
+            if not isinstance(value, bool):
+                raise UserError(f"--set {key}: expected true or false, got {value!r}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"--set {key}: expected a positive integer, got {value!r}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise UserError(f"--set: num_attention_heads {config.num_attention_heads} is not a multiple "
+                        f"of num_key_value_heads {config.num_key_value_heads}")
+    if config.head_dim % 2:
+        raise UserError(f"--set head_dim: {config.head_dim} must be even (RoPE rotates pairs)")
+    if config.vocab_size < tokens:
+        raise UserError(f"--set vocab_size: {config.vocab_size} is below the tokenizer's {tokens} tokens")
 
 
 def _init_kimi(
@@ -443,8 +485,6 @@ def init_model(
     _check_choice("arch", arch, ARCHITECTURES)
     if arch == "kimi-mini":
         return _init_kimi(preset, seed, out, dtype, force, overrides)
-    if overrides:
-        raise UserError("--set is for --arch kimi-mini (its layer pattern, experts, MLA and indexer sizes)")
     _check_choice("preset", preset, PRESETS)
     torch_dtype = _torch_dtype(dtype)
     _check_out_dir(out, force)  # before any work, so a bad OUT fails fast
@@ -452,6 +492,10 @@ def init_model(
     tokenizer = build_tokenizer(TOKENIZER_VOCAB[preset], max_len)
     vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     config = model_config(arch, preset, vocab_size)
+    if overrides:
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        _check_dense_overrides(config, overrides, len(tokenizer))
     # fork_rng: seed our own draw without changing the caller's global RNG stream.
     with _atomic_dir(out, force) as tmp, _no_hf_progress_bars(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -598,7 +642,7 @@ def _dir_size(path: Path) -> str:
 
 def _cmd_init(args: argparse.Namespace) -> int:
     out = init_model(args.arch, args.preset, args.seed, args.out, args.dtype, force=args.force,
-                     overrides=_kimi_overrides(args.set))
+                     overrides=parse_overrides(args.arch, args.set))
     print(f"wrote {out} ({args.arch}, {args.preset}, seed {args.seed}, {args.dtype}, {_dir_size(out)})")
     return 0
 
@@ -625,8 +669,9 @@ def add_model_commands(subparsers: Any) -> None:
     init.add_argument("--force", action="store_true", help="replace OUT if it already holds a model")
     init.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="kimi-mini config.json field (JSON value), e.g. --set 'layer_types=[\"kda\",\"mla\"]'"
-        " --set n_routed_experts=16 --set index_topk=32",
+        help="a config.json field (JSON value) of the preset to change, e.g. --set head_dim=48"
+        " --set vocab_size=515, or for kimi-mini --set 'layer_types=[\"kda\",\"mla\"]'"
+        " --set n_routed_experts=16",
     )
     init.add_argument("out", metavar="OUT", help="directory to create")
     init.set_defaults(func=_cmd_init)

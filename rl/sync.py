@@ -89,10 +89,10 @@ class ChecksumHook(SyncHook):
         for worker, held in enumerate(event.worker_checksums):
             for name, digest in expected.items():
                 if held.get(name) != digest:
-                    got = "missing" if name not in held else f"sha256 {held[name][:12]}…"
+                    got = "missing" if name not in held else f"xxh3 {held[name][:12]}…"
                     raise SyncError(
                         f"step {event.step}: rollout worker {worker} holds {got} for {name!r}, "
-                        f"trainer sent sha256 {digest[:12]}…"
+                        f"trainer sent xxh3 {digest[:12]}…"
                     )
         event.metrics["sync/checksum_ok"] = 1.0
 

@@ -156,6 +156,29 @@ def _checks(spec):
     return llama
 
 
+def check_stock_engine(spec) -> None:
+    """Refuse a model that stock vLLM (parity off) cannot run on this platform: ValueError
+    saying why. Called before any engine starts; vLLM would otherwise die in its EngineCore."""
+    if isinstance(spec, KimiSpec):
+        raise ValueError("kimi-mini has no stock vLLM model: its KDA / MLA / MoE layers exist "
+                         "only as parity implementations")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if spec.head_dim not in sizes:
+            raise ValueError(f"head_dim {spec.head_dim}: stock vLLM's CPU attention supports "
+                             f"head sizes {', '.join(map(str, sizes))} only")
+
+
+def check_adapter(spec, dtype: str, tensors: dict[str, torch.Tensor], scaling: float) -> None:
+    """Refuse an adapter that does not fit the model (peft names, layers, rank-r shapes):
+    ValueError naming the first bad tensor. Needs no engine: call it before starting one."""
+    _checks(spec).adapter_pairs(spec, torch_dtype(dtype), tensors, scaling)
+
+
 def _logprob_of(entry: dict, token_id: int) -> float:
     # vLLM returns {token_id: Logprob}; the requested token is always included.
     return entry[token_id].logprob
@@ -355,7 +378,7 @@ class RolloutEngine:
         # The worker checks again; checking here first raises ValueError in this process
         # (across processes vLLM turns a worker's exception into a bare Exception) and sends
         # nothing that would be refused.
-        _checks(self.spec).adapter_pairs(self.spec, torch_dtype(self.dtype), tensors, scaling)
+        check_adapter(self.spec, self.dtype, tensors, scaling)
         self._rpc("kimi_rl_set_adapter", self._pack(tensors), float(scaling))
 
     def set_adapter_packed(self, flat, index, scaling: float) -> None:
@@ -383,7 +406,7 @@ class RolloutEngine:
         self._rpc("kimi_rl_clear_adapter")
 
     def adapter_checksums(self) -> dict[str, str]:
-        """{peft name: sha256 hex of the tensor's bytes as the rollout model holds it}."""
+        """{peft name: tensor_checksum (XXH3-128 hex) of the tensor's bytes as the rollout model holds it}."""
         self._require_parity("adapter_checksums")
         return self._rpc("kimi_rl_adapter_checksums")
 
@@ -404,12 +427,12 @@ class RolloutEngine:
         self._rpc("kimi_rl_update_params_packed", flat, tuple(index))
 
     def param_checksums(self) -> dict[str, str]:
-        """{rollout parameter name: sha256 hex}, the names update_params_packed takes."""
+        """{rollout parameter name: tensor_checksum hex}, the names update_params_packed takes."""
         self._require_parity("param_checksums")
         return self._rpc("kimi_rl_param_checksums")
 
     def weight_checksums(self) -> dict[str, str]:
-        """{HF checkpoint name: sha256 hex of the weight the rollout model holds}."""
+        """{HF checkpoint name: tensor_checksum hex of the weight the rollout model holds}."""
         self._require_parity("weight_checksums")
         return self._rpc("kimi_rl_weight_checksums")
 

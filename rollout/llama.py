@@ -302,7 +302,8 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
         )
         if not self.spec.tie_word_embeddings:
             self.lm_head = _Weight(
-                self.spec.vocab_size // self.tp_size, self.spec.hidden_size, dtype=self.dtype
+                tp.padded_vocab(self.spec.vocab_size, self.tp_size) // self.tp_size,
+                self.spec.hidden_size, dtype=self.dtype,
             )
         self._shard_kinds = weights.shard_kinds(self.spec, "rollout")
 
@@ -335,13 +336,16 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
         weight = self.lm_head_weight()
         if self.tp_size == 1:
             return kernels.linear(hidden_states, weight)
-        # The trainer's vocab-parallel output layer: this rank's vocabulary rows (a view of the
-        # replicated tied embedding, or the held lm_head shard), logits all-gathered in rank order.
+        # The trainer's vocab-parallel output layer: this rank's vocabulary rows (of the
+        # replicated tied embedding, or the held lm_head shard), padded to the trainer's padded
+        # vocabulary; logits all-gathered in rank order, the padded columns cut off before the
+        # sampler sees them.
         from vllm.distributed import tensor_model_parallel_all_gather
 
         if self.spec.tie_word_embeddings:
-            weight = tp.shard_rows(weight, self.tp_rank, self.tp_size)
-        return tensor_model_parallel_all_gather(kernels.linear(hidden_states, weight), dim=-1)
+            weight = tp.shard_vocab(weight, self.tp_rank, self.tp_size)
+        logits = tensor_model_parallel_all_gather(kernels.linear(hidden_states, weight), dim=-1)
+        return logits[..., : self.spec.vocab_size]
 
     # --- tensor parallelism: full tensors <-> this rank's shards ------------------------------
 
@@ -357,6 +361,8 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
         shape = list(param.shape)
         if kind in ("rows", "gate_up"):
             shape[0] *= self.tp_size
+        elif kind == "vocab":
+            shape[0] = self.spec.vocab_size
         elif kind == "cols":
             shape[1] *= self.tp_size
         return tuple(shape)
@@ -370,7 +376,7 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
         from vllm.distributed import tensor_model_parallel_all_gather
 
         parts = list(tensor_model_parallel_all_gather(param.detach().unsqueeze(0), dim=0))
-        return weights.unshard_tensor(parts, kind)
+        return weights.unshard_tensor(parts, kind, self.spec.vocab_size)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """named_parameters() with every shard gathered back to the full tensor."""

@@ -99,7 +99,7 @@ class SyncedModel:
         self._hold({}, 0.0, copy=False)
 
     def adapter_checksums(self) -> dict[str, str]:
-        """sha256 of each held adapter tensor, by peft name; empty without an adapter."""
+        """parity.compare.tensor_checksum of each held adapter tensor, by peft name; empty without an adapter."""
         return {name: tensor_checksum(t) for name, t in self._held()}
 
     # --- full weights ------------------------------------------------------------------------------
@@ -170,10 +170,10 @@ class SyncedModel:
                 params[name].copy_(self._local(name, tensor))
 
     def param_checksums(self) -> dict[str, str]:
-        """sha256 of every parameter, by this model's parameter name (fused layouts; full
+        """tensor_checksum of every parameter, by this model's parameter name (fused layouts; full
         tensors under TP)."""
         return {name: tensor_checksum(p) for name, p in self.full_parameters()}
 
     def weight_checksums(self) -> dict[str, str]:
-        """sha256 of every held weight, by HF checkpoint name."""
+        """tensor_checksum of every held weight, by HF checkpoint name."""
         return {name: tensor_checksum(t) for name, t in self.hf_weights()}

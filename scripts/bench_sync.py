@@ -1,9 +1,10 @@
 """Benchmark trainer -> rollout weight sync, measured side by side in one run.
 
-Adapter sync: latency of pushing a LoRA adapter (rank 8 / 16 / 64, all seven targets) into a
-running rollout engine, the way the training loop does it (a Ray actor holding an in-process
-vLLM engine; the adapter goes through Ray's object store and is copied into the model's
-buffers), and the engine-side copy alone (`RolloutEngine.set_adapter` in this process).
+Adapter sync: latency of a LoRA adapter sync (rank 8 / 16 / 64, all seven targets) exactly as
+the training loop runs it — a fresh adapter each repeat, packed by a trainer actor, through Ray's
+object store, the configured sync hooks (default: checksum + timing) run by rl.loop.make_sync,
+copied into a Ray actor's in-process vLLM engine, which hashes what it now holds — and the
+engine-side copy alone (`RolloutEngine.set_adapter*` in this process).
 Full-weight sync: throughput of `RolloutEngine.update_params_packed` (the loop's path: the
 fused parameters as the trainer holds them, one buffer) and of vLLM's reload
 (`update_weights`, HF names) for every weight of the model, against a plain `copy_` of the same
@@ -19,6 +20,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -56,6 +58,29 @@ def _fused(weights: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
     return out
 
 
+class AdapterTrainer:
+    """Stands in for the trainer actor in the sync path: holds an adapter in the model dtype
+    and packs it the way trainer.worker.TrainerWorker.rollout_packed does."""
+
+    def __init__(self, spec, rank: int, dtype: torch.dtype) -> None:
+        self.spec, self.rank, self.dtype = spec, rank, dtype
+        self.fresh(0)
+
+    def fresh(self, seed: int) -> None:
+        self.tensors = _adapter(self.spec, self.rank, self.dtype, 1000 * self.rank + seed)
+
+    def megabytes(self) -> float:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values()) / 2**20
+
+    def lora_scaling(self) -> float:
+        return 2.0
+
+    def rollout_packed(self):
+        from parity.wire import pack_tensors
+
+        return pack_tensors(self.tensors)
+
+
 def _median_ms(fn, repeats: int) -> float:
     fn()  # warm-up: first-touch allocation of the model's adapter buffers
     times = []
@@ -75,7 +100,8 @@ def main() -> None:
     from parity.model_spec import ModelSpec
     from parity.wire import pack_tensors
     from rl.cluster import start_ray
-    from rl.config import RayConfig
+    from rl.config import RayConfig, load_config
+    from rl.loop import Run, make_sync
     from rollout.engine import RolloutEngine
     from rollout.worker import RolloutWorker
 
@@ -130,7 +156,11 @@ def main() -> None:
     copy_ms = _median_ms(memcpy, max(3, args.repeats // 4))
     engine.close()
 
-    # Through Ray, as the training loop does it: object store -> actor -> in-process engine.
+    # Through Ray, exactly as the training loop syncs: the trainer actor packs its adapter
+    # (trainer.worker.TrainerWorker.rollout_packed -> the object store), the driver takes it
+    # (rl.loop.Run.policy_tensors) and runs rl.loop.make_sync's WeightSync with the configured
+    # hooks, the workers copy it in and hash what they hold. Each repeat syncs a fresh adapter
+    # (the stand-in trainer draws new values first, outside the timed region).
     run_dir = ROOT / "bench_results" / "ray"
     start_ray(RayConfig(), run_dir, num_cpus_needed=1)
     worker = ray.remote(RolloutWorker).options(num_cpus=1).remote(
@@ -138,21 +168,28 @@ def main() -> None:
         max_num_batched_tokens=None,
     )
     for rank in ranks:
-        adapter = _adapter(spec, rank, dtype, rank)
-        mb = sum(t.numel() * t.element_size() for t in adapter.values()) / 2**20
+        trainer = ray.remote(AdapterTrainer).options(num_cpus=0).remote(spec, rank, dtype)
+        mb = ray.get(trainer.megabytes.remote())
+        for hooks in (["checksum", "timing"], ["timing"]):
+            cfg = load_config(ROOT / "configs" / "quickstart.yaml", [
+                f"sync.hooks={hooks}", f"model.path={path}", f"model.dtype={dtype_name}"])
+            run = SimpleNamespace(cfg=cfg, trainer=trainer, workers=[worker], packed_adapter=(None, {}))
+            sync = make_sync(run, cfg, probe=[])
+            step = iter(range(1, 10**6))
 
-        def push(a=adapter):
-            ray.get(worker.sync_adapter.remote(ray.put(pack_tensors(a)), scaling, checksums=False))
+            def loop_sync(run=run, sync=sync, step=step, trainer=trainer):
+                kind, tensors, scaling = Run.policy_tensors(run)
+                sync.sync(next(step), tensors, kind=kind, scaling=scaling)
 
-        results.append({"what": "pack + object store + Ray actor + copy", "rank": rank, "mb": mb,
-                        "ms": _median_ms(push, args.repeats)})
-        ref = ray.put(pack_tensors(adapter))  # what the loop does: the trainer packs, once
-
-        def push_packed(r=ref):
-            ray.get(worker.sync_adapter.remote(r, scaling, checksums=False))
-
-        results.append({"what": "object store + Ray actor + copy (packed by trainer)", "rank": rank,
-                        "mb": mb, "ms": _median_ms(push_packed, args.repeats)})
+            times = []
+            for i in range(args.repeats + 1):
+                ray.get(trainer.fresh.remote(i))
+                t = time.perf_counter()
+                loop_sync()
+                times.append(time.perf_counter() - t)
+            results.append({"what": f"the loop's sync, hooks {'+'.join(hooks)} (pack, store, verify)",
+                            "rank": rank, "mb": mb, "ms": statistics.median(times[1:]) * 1000})
+        ray.kill(trainer)
     ray.get(worker.close.remote())
     ray.shutdown()
 

@@ -10,8 +10,9 @@ from parity.sampling import Sampling, processed_logits
 from trainer.megatron_patches import cpu_current_device
 
 
-def forward_logits(model: GPTModel, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits [B, S, V] for right-padded input_ids [B, S]."""
+def forward_output(model: GPTModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """GPTModel's output for right-padded input_ids [B, S]: logits [B, S, V_padded], or the
+    decoder's hidden states [S, B, H] with post_process off."""
     b, s = input_ids.shape
     device = next(model.parameters()).device  # cpu, or cuda when load_model put it there
     input_ids = input_ids.to(device)
@@ -20,6 +21,13 @@ def forward_logits(model: GPTModel, input_ids: torch.Tensor) -> torch.Tensor:
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=device), diagonal=1)
     with cpu_current_device():
         return model(input_ids, position_ids, mask)
+
+
+def forward_logits(model: GPTModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits [B, S, V] for right-padded input_ids [B, S]. Under TP the output layer's
+    vocabulary is padded (parity/tp.py): the padded columns are cut off before any softmax
+    sees them, as the rollout does."""
+    return forward_output(model, input_ids)[..., : model.hf_vocab_size]
 
 
 def sequence_logprobs(

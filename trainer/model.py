@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from parity import kernels
 from parity.dtypes import torch_dtype
 from parity.model_spec import KimiSpec, ModelSpec, load_spec
+from parity.tp import padded_vocab
 from trainer.convert import hf_to_megatron, shard_megatron_state
 from trainer.layers import (
     ParityColumnParallelLinear,
@@ -96,7 +97,9 @@ def build_gpt(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 
     config = transformer_config(spec, dtype, parity, tp_size)
     common = dict(
         config=config,
-        vocab_size=spec.vocab_size,
+        # Under TP the vocabulary is padded with zero rows to split evenly (parity/tp.py);
+        # forward_logits cuts the padded columns off again.
+        vocab_size=padded_vocab(spec.vocab_size, tp_size),
         max_sequence_length=spec.max_position_embeddings,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         parallel_output=False,
@@ -157,6 +160,7 @@ def load_model(
         model = build_kimi_gpt(spec, torch_dtype(dtype), tp_size)  # raises unless tp_size == 1
     else:
         model = build_gpt(spec, torch_dtype(dtype), parity, tp_size)
+    model.hf_vocab_size = spec.vocab_size  # the logits' width once TP padding is cut off
     if torch.cuda.is_available():  # the parity kernels dispatch on the tensors' device
         model = model.cuda()
     load_hf_weights(model, model_dir, spec)

@@ -39,7 +39,7 @@ from trainer import lora as lora_lib
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from trainer.convert import megatron_to_hf
 from trainer.layers import POLICY_ADAPTER
-from trainer.logprobs import forward_logits, sequence_logprobs
+from trainer.logprobs import forward_logits, forward_output, sequence_logprobs
 from trainer.model import load_model
 from trainer.ppo import (
     entropy_from_logits,
@@ -111,7 +111,7 @@ def final_hidden(model: GPTModel, input_ids: Tensor) -> Tensor:
     output instead of logits; the decoder keeps its own flag, so the final norm still runs."""
     model.post_process = False
     try:
-        return forward_logits(model, input_ids).transpose(0, 1)
+        return forward_output(model, input_ids).transpose(0, 1)
     finally:
         model.post_process = True
 

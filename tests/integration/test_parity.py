@@ -126,3 +126,37 @@ def test_bad_dtype_is_an_argparse_error(model_factory, capsys):
     with pytest.raises(SystemExit) as e:
         _cli(["parity", "check", "--model", model_factory("llama"), "--dtype", "fp16"], capsys)
     assert e.value.code == 2
+
+
+def test_parity_off_on_a_head_dim_stock_vllm_cannot_run(tmp_path, capsys):
+    from rl.models import init_model
+
+    model = init_model("llama", "tiny", 0, tmp_path / "m", overrides={"head_dim": 16})
+    code, err = _cli(["parity", "check", "--model", str(model), "--parity", "off"], capsys)
+    assert code == 2 and "head_dim 16" in err and "supports head sizes" in err and "32" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_parity_off_on_kimi_mini(model_factory, capsys):
+    code, err = _cli(["parity", "check", "--model", model_factory("kimi-mini"), "--parity", "off"], capsys)
+    assert code == 2 and "kimi-mini has no stock vLLM model" in err
+
+
+def test_adapter_that_does_not_fit_the_model(model_factory, tmp_path, capsys):
+    """Names and shapes are checked against the model before any engine starts."""
+    from safetensors.torch import save_file
+
+    from parity.lora import peft_key
+
+    for name, tensors in [
+        ("layer", {peft_key(99, "q_proj", "A"): torch.zeros(4, 128), peft_key(99, "q_proj", "B"): torch.zeros(128, 4)}),
+        ("shape", {peft_key(0, "q_proj", "A"): torch.zeros(4, 100), peft_key(0, "q_proj", "B"): torch.zeros(128, 4)}),
+    ]:
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors, str(d / "adapter_model.safetensors"))
+        (d / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+        code, err = _cli(["parity", "check", "--model", model_factory("llama"), "--adapter", str(d)], capsys)
+        assert code == 2 and "does not fit" in err, err
+        assert ("2 layers" if name == "layer" else "are not [r, 128]") in err, err
+        assert len(err.strip().splitlines()) == 1

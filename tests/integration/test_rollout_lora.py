@@ -3,7 +3,7 @@ trainer (no mocks).
 
 The trainer model gets an adapter with random non-zero B; its `rollout_tensors` go into the
 engine with `set_adapter`, the engine samples, and the trainer re-scores the samples: every
-log-prob is torch.equal. Checksums on the rollout side equal sha256 of what the trainer sent,
+log-prob is torch.equal. Checksums on the rollout side equal the XXH3-128 of what the trainer sent,
 `clear_adapter` gives the base model back bitwise, and `update_weights` swaps full weights in
 and out bitwise.
 
@@ -15,13 +15,13 @@ architectures, both dtypes and both ways tensors reach the worker.
 from __future__ import annotations
 
 import glob
-import hashlib
 import random
 import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
 from parity.lora import TARGETS
@@ -35,8 +35,9 @@ MAX_TOKENS = 12
 VOCAB_LOW, VOCAB_HIGH = 3, 500  # random ids that avoid the special tokens 0..2
 
 
-def sha256(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+def digest(tensor: torch.Tensor) -> str:
+    """XXH3-128 of the tensor's bytes, computed here independently of parity.compare."""
+    return xxhash.xxh3_128_hexdigest(tensor.contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def randomize_adapter(model, seed: int, std: float, which: str = "B") -> None:
@@ -128,7 +129,7 @@ def test_adapter_rollout_equals_trainer(case):
 def test_adapter_checksums_equal_trainer_tensors(case):
     tensors = push_adapter(case)
     assert len(tensors) == 2 * len(TARGETS) * ModelSpec.from_dir(case.dir).num_layers
-    assert case.engine.adapter_checksums() == {k: sha256(v) for k, v in tensors.items()}
+    assert case.engine.adapter_checksums() == {k: digest(v) for k, v in tensors.items()}
 
 
 def _held_adapter_storage(worker) -> list[int]:
@@ -149,7 +150,7 @@ def test_resync_after_a_training_step(case):
         randomize_adapter(case.trainer, seed=2, std=0.05)
         randomize_adapter(case.trainer, seed=3, std=0.05, which="A")
         tensors = push_adapter(case)
-        assert case.engine.adapter_checksums() == {k: sha256(v) for k, v in tensors.items()}
+        assert case.engine.adapter_checksums() == {k: digest(v) for k, v in tensors.items()}
         assert_rollout_equals_trainer(case)
         if storage is not None:
             assert case.engine.llm.collective_rpc(_held_adapter_storage) == storage
@@ -170,7 +171,7 @@ def test_packed_sync_rollout_equals_trainer(case):
             randomize_adapter(case.trainer, seed=seed, std=0.05)
             tensors = rollout_tensors(case.trainer)
             case.engine.set_adapter_packed(*pack_tensors(tensors), case.scaling)
-            assert case.engine.adapter_checksums() == {k: sha256(v) for k, v in tensors.items()}
+            assert case.engine.adapter_checksums() == {k: digest(v) for k, v in tensors.items()}
             assert_rollout_equals_trainer(case)
         bad = dict(tensors)
         name = next(iter(bad))
@@ -229,10 +230,10 @@ def test_update_weights_round_trip(case, tmp_path):
     }
     seqs = [p + p[:8] for p in case.prompts]
     before = engine.prompt_logprobs(seqs)
-    assert engine.weight_checksums() == {k: sha256(v) for k, v in original.items()}
+    assert engine.weight_checksums() == {k: digest(v) for k, v in original.items()}
     try:
         engine.update_weights(modified)
-        assert engine.weight_checksums() == {k: sha256(v) for k, v in modified.items()}
+        assert engine.weight_checksums() == {k: digest(v) for k, v in modified.items()}
         after = engine.prompt_logprobs(seqs)
         shutil.copy(f"{case.dir}/config.json", tmp_path / "config.json")
         save_file(modified, str(tmp_path / "model.safetensors"))
@@ -244,7 +245,7 @@ def test_update_weights_round_trip(case, tmp_path):
             assert torch.equal(a, e)
     finally:
         engine.update_weights(original)
-    assert engine.weight_checksums() == {k: sha256(v) for k, v in original.items()}
+    assert engine.weight_checksums() == {k: digest(v) for k, v in original.items()}
     for b, a in zip(before, engine.prompt_logprobs(seqs), strict=True):
         assert torch.equal(a, b)
 

@@ -2,7 +2,8 @@
 (two gloo ranks), tiny dense Llama.
 
 - `kimi-rl parity check --tensor-parallel-size 2` (rl.checker.run_check): every sampled
-  token's log-prob is torch.equal between vLLM TP=2 and Megatron TP=2, fp32 and bf16.
+  token's log-prob is torch.equal between vLLM TP=2 and Megatron TP=2, fp32 and bf16 (bf16 with
+  an odd vocabulary, padded on both sides).
 - With a LoRA adapter on every linear (replicated, parity/tp.py), the same holds.
 - Full-weight sync and checksums under TP=2: the caller sends and reads full tensors.
 - TP=2 vs TP=1 on the trainer: measured, not hidden (the rank-ordered sum adds the two halves of
@@ -61,10 +62,16 @@ def test_tp2_parity_fp32(fp32_result):
           f"{fp32_result.report['bitwise_equal_fraction']}, seconds {fp32_result.report['seconds']}")
 
 
-def test_tp2_parity_bf16(model_factory, prompt_file):
-    result = run_check(_args(model_factory("llama", "bf16"), "bf16", prompt_file))
+def test_tp2_parity_bf16_odd_vocabulary(tmp_path, prompt_file):
+    """A vocabulary of 515 rows does not split over 2 ranks: both sides pad it with zero rows
+    to 516 (parity/tp.py) and cut the padded logit off before anything reads it."""
+    from rl.models import init_model
+
+    model = init_model("llama", "tiny", 0, tmp_path / "odd", "bf16", overrides={"vocab_size": 515})
+    result = run_check(_args(model, "bf16", prompt_file))
     _assert_bitwise(result)
-    print(f"\nTP=2 bf16: {result.report['tokens_compared']} tokens, bitwise fraction "
+    assert all(t < 515 for c in result.completions for t in c.token_ids)
+    print(f"\nTP=2 bf16, vocab 515: {result.report['tokens_compared']} tokens, bitwise fraction "
           f"{result.report['bitwise_equal_fraction']}")
 
 

@@ -313,3 +313,34 @@ def test_kimi_mini_init_with_overrides(tmp_path, capsys):
     assert cli_main(argv[:8] + ["--set", "num_experts_per_tok=99", str(bad)]) == 2
     assert "num_experts_per_tok" in capsys.readouterr().err
     assert not bad.exists()
+
+
+def test_dense_init_with_overrides(tmp_path, capsys):
+    """--set on Llama / Qwen3: odd shapes (the fuzzer's and the TP padding tests' models)."""
+    out = tmp_path / "odd"
+    argv = ["model", "init", "--arch", "qwen3", "--preset", "tiny", "--seed", "0", "--set", "head_dim=24",
+            "--set", "num_key_value_heads=1", "--set", "hidden_size=72", "--set", "intermediate_size=97",
+            "--set", "vocab_size=515", "--set", "tie_word_embeddings=true", str(out)]
+    assert cli_main(argv) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["head_dim"], config["num_key_value_heads"], config["vocab_size"]) == (24, 1, 515)
+    assert config["tie_word_embeddings"] is True
+    assert load_file(str(out / "model.safetensors"))["model.embed_tokens.weight"].shape == (515, 72)
+    validate_model_dir(out)
+    for pair, words in [("num_key_value_heads=3", "not a multiple"), ("head_dim=7", "even"),
+                        ("vocab_size=100", "tokenizer"), ("hidden_size=-1", "positive")]:
+        assert cli_main(argv[:8] + ["--set", pair, str(tmp_path / "bad")]) == 2
+        assert words in capsys.readouterr().err, pair
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("arch,pair,words", [
+    ("kimi-mini", "num_hidden_layers=3", "length of layer_types"),
+    ("llama", "layer_types=[1]", "not settable for --arch llama"),
+    ("llama", "foo", "expected KEY=VALUE"),
+])
+def test_unsettable_keys_say_why(tmp_path, capsys, arch, pair, words):
+    argv = ["model", "init", "--arch", arch, "--preset", "tiny", "--seed", "0", "--set", pair, str(tmp_path / "m")]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1

@@ -14,10 +14,12 @@ from parity.model_spec import load_spec
 from rl.models import init_model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "kimi-mini"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "kimi-mini", "qwen3-vocab515"])
 def spec(request, tmp_path_factory):
+    arch, _, vocab = request.param.partition("-vocab")
     out = tmp_path_factory.mktemp(request.param) / "model"
-    init_model(arch=request.param, preset="tiny", seed=0, out_dir=out, dtype="fp32")
+    init_model(arch=arch, preset="tiny", seed=0, out_dir=out, dtype="fp32",
+               overrides={"vocab_size": int(vocab)} if vocab else None)
     return load_spec(out)
 
 
@@ -50,15 +52,31 @@ def test_from_hf_to_hf_round_trip_is_bitwise(spec, side):
     assert all(torch.equal(ro[n], t) for n, t in weights.from_hf(hf, spec, "rollout").items())
 
 
-def test_tp_shards_reassemble(spec):
-    if not hasattr(spec, "num_kv_heads") or spec.num_kv_heads % 2:
-        pytest.skip("dense models with an even number of KV heads shard over 2 ranks")
-    full = weights.from_hf(_random_hf(spec), spec, "rollout")
-    kinds = weights.shard_kinds(spec, "rollout")
-    shards = [weights.shard_state(full, spec, "rollout", r, 2) for r in range(2)]
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("side", ["megatron", "rollout"])
+def test_tp_shards_reassemble(spec, side, size):
+    if not hasattr(spec, "num_kv_heads") or spec.num_kv_heads % size or spec.num_heads % size:
+        pytest.skip(f"needs KV heads that shard over {size} ranks")
+    full = weights.from_hf(_random_hf(spec), spec, side)
+    kinds = weights.shard_kinds(spec, side)
+    shards = [weights.shard_state(full, spec, side, r, size) for r in range(size)]
     for name, tensor in full.items():
         parts = [s[name] for s in shards]
-        assert torch.equal(weights.unshard_tensor(parts, kinds[name]), tensor), name
+        assert len({p.shape for p in parts}) == 1, name  # every rank holds the same shape
+        assert torch.equal(weights.unshard_tensor(parts, kinds[name], spec.vocab_size), tensor), name
+
+
+@pytest.mark.parametrize("vocab,size", [(515, 2), (515, 4), (512, 2), (7, 3), (1, 2)])
+def test_vocab_shards_are_padded_with_zero_rows(vocab, size):
+    from parity.tp import padded_vocab, shard_vocab
+
+    t = torch.arange(vocab * 3, dtype=torch.float32).view(vocab, 3) + 1
+    parts = [shard_vocab(t, r, size) for r in range(size)]
+    padded = padded_vocab(vocab, size)
+    assert padded % size == 0 and vocab <= padded < vocab + size
+    assert all(p.shape == (padded // size, 3) for p in parts)
+    whole = torch.cat(parts)
+    assert torch.equal(whole[:vocab], t) and not whole[vocab:].any()
 
 
 def test_check_hf_weights_names_what_is_wrong(spec):

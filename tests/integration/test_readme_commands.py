@@ -1,0 +1,128 @@
+"""Every command the README shows, run as a user runs it: the installed `kimi-rl` (and the
+scripts) as a subprocess, from a directory laid out like the repo root (`.venv`, `configs/`).
+
+A command is shrunk only by flags or `key=value` overrides appended to it — the CLI takes the
+last value of a flag, so the code path is the README's — never by calling another function.
+`test_every_readme_command_is_listed` fails when the README gains a command that is not listed
+here, so a new documented command cannot go untested. The commands run in README order, as a
+reader would type them (later ones use the models and runs of earlier ones)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+VENV = Path(sys.executable).parents[1]
+
+SMALL_CHECK = " --num-prompts 2 --max-tokens 4 --batch-sizes 1,2"
+
+# README command -> what the test appends to it.
+SHRINK: dict[str, str] = {
+    "bash scripts/setup.sh && bash scripts/demo.sh": " total_steps=2",
+    ".venv/bin/kimi-rl model init --arch llama --preset tiny --seed 0 models/tiny-llama": "",
+    ".venv/bin/kimi-rl parity check --model models/tiny-llama --dtype bf16 --batch-sizes 1,8,32 "
+    "--num-prompts 8 --max-tokens 32 --report reports/tiny": SMALL_CHECK,
+    ".venv/bin/kimi-rl model import-smollm2 models/smollm2 --dtype bf16": "",
+    ".venv/bin/kimi-rl parity check --model models/smollm2 --dtype bf16 --num-prompts 8 "
+    "--max-tokens 32 --batch-sizes 1,8 --report reports/smollm2-bf16": " --num-prompts 1 --max-tokens 4 --batch-sizes 1",
+    ".venv/bin/kimi-rl parity check --model models/tiny-llama --dtype fp32 --tensor-parallel-size 2 "
+    "--num-prompts 8 --max-tokens 32 --batch-sizes 1,8": SMALL_CHECK,
+    ".venv/bin/kimi-rl model init --arch kimi-mini --preset tiny --seed 0 --dtype bf16 models/kimi-tiny": "",
+    ".venv/bin/kimi-rl train configs/quickstart.yaml model.path=models/kimi-tiny algorithm.name=ppo "
+    "total_steps=3 run_dir=runs/kimi-ppo": " data.prompts_per_step=2 rollout.max_tokens=4",
+    ".venv/bin/kimi-rl parity check --model models/kimi-tiny --dtype bf16 --batch-sizes 1,16 "
+    "--num-prompts 6 --max-tokens 8 --max-num-batched-tokens 64 "
+    "--adapter runs/kimi-ppo/checkpoints/step_000003/adapter": SMALL_CHECK,
+    ".venv/bin/kimi-rl train configs/quickstart.yaml": " total_steps=2",
+    ".venv/bin/kimi-rl train configs/quickstart.yaml --print-config": "",
+    ".venv/bin/kimi-rl train configs/quickstart.yaml --resume runs/quickstart total_steps=30": " total_steps=3",
+    "PYTHONPATH=. .venv/bin/kimi-rl train configs/quickstart.yaml run_dir=runs/hooks "
+    "'sync.hooks=[checksum, timing, myhooks:AdapterNorm]'": " total_steps=1",
+}
+NOT_RUN = {
+    "bash scripts/setup.sh && .venv/bin/python -m pytest -q": "the test suite itself",
+}
+
+
+def readme_commands() -> list[str]:
+    """The shell commands of the README's bash blocks, continuation lines joined, comments cut."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = " ".join(line.split("  #")[0].split())
+            if command:
+                out.append(command)
+    return out
+
+
+def test_every_readme_command_is_listed():
+    listed = set(SHRINK) | set(NOT_RUN)
+    commands = readme_commands()
+    assert [c for c in commands if c not in listed] == []
+    assert [c for c in listed if c not in commands] == []
+
+
+def _python_block(marker: str) -> str:
+    return next(b for b in re.findall(r"```python\n(.*?)```", README, flags=re.S) if marker in b)
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory) -> Path:
+    """A directory laid out like the repo root, where a user types the README's commands."""
+    if not (VENV / "bin" / "kimi-rl").exists():
+        pytest.skip("kimi-rl is not installed in this Python's environment")
+    d = tmp_path_factory.mktemp("readme")
+    (d / ".venv").symlink_to(VENV)
+    (d / "configs").symlink_to(ROOT / "configs")
+    (d / "myhooks.py").write_text(_python_block("# myhooks.py"))
+    return d
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_run(run_dir: Path, steps: int) -> None:
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["parity/bitwise_equal_fraction"] == 1.0 for r in rows)
+
+
+RUNS = [c for c in readme_commands() if c in SHRINK]
+
+
+@pytest.mark.parametrize("command", RUNS, ids=[f"{i:02d}" for i in range(len(RUNS))])
+def test_readme_command(command, user_dir):
+    # The set-up + demo line runs in the repo itself, as the README says (scripts/ cd there).
+    cwd = ROOT if command.startswith("bash scripts/") else user_dir
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(command + SHRINK[command], shell=True, cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    if " parity check " in command:
+        assert "PASS: all" in done.stdout + done.stderr
+    if "--report reports/" in command:
+        report = json.loads((user_dir / command.split("--report ")[1].split()[0] / "report.json").read_text())
+        assert report["passed"] and report["bitwise_equal_fraction"] == 1.0
+    if "scripts/demo.sh" in command:
+        newest = max((ROOT / "runs").glob("quickstart-*"), key=lambda p: p.stat().st_mtime)
+        _check_run(newest, 2)
+    if command.endswith("train configs/quickstart.yaml"):
+        _check_run(user_dir / "runs/quickstart", 2)
+    if "--resume runs/quickstart" in command:
+        _check_run(user_dir / "runs/quickstart", 3)
+    if "--print-config" in command:
+        assert "total_steps: 20" in done.stdout
+    if "run_dir=runs/kimi-ppo" in command:
+        _check_run(user_dir / "runs/kimi-ppo", 3)
+    if "myhooks:AdapterNorm" in command:
+        _check_run(user_dir / "runs/hooks", 1)
+        assert _metrics(user_dir / "runs/hooks")[0]["sync/adapter_norm"] > 0
