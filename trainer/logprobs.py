@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from parity import kernels
-from parity.sampling import Sampling, processed_logits
+from parity.sampling import Sampling
+from parity.scoring import batched_logprobs
 from trainer.megatron_patches import cpu_current_device
 
 
@@ -34,27 +34,6 @@ def sequence_logprobs(
     model: GPTModel, sequences: list[list[int]], starts: list[int], batch_size: int = 8,
     sampling: Sampling | None = None,
 ) -> list[torch.Tensor]:
-    """For each sequence, log p(seq[i] | seq[:i]) for i in [start, len): float32 [len - start].
-
-    p is the distribution `sampling` samples from (parity.sampling: temperature-scaled, top-k /
-    top-p renormalised over the kept set; vLLM's processed log-probs), or the raw softmax when
-    `sampling` is None. Sequences are batched by length (results come back in the given order)
-    and right-padded; causal attention keeps padding out of the scored positions. The kernels
-    are batch invariant, so the grouping changes the cost, never a bit of the result.
-    """
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    out: list[torch.Tensor | None] = [None] * len(sequences)
-    for i in range(0, len(order), batch_size):
-        rows = order[i : i + batch_size]
-        width = max(len(sequences[r]) for r in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for row, r in enumerate(rows):
-            ids[row, : len(sequences[r])] = torch.tensor(sequences[r])
-        logits = forward_logits(model, ids)[:, :-1]
-        if sampling is not None:
-            logits = processed_logits(logits, sampling)
-        ids = ids.to(logits.device)
-        logp = kernels.token_logprobs(logits, ids[:, 1:])  # position j scores token j+1
-        for row, r in enumerate(rows):
-            out[r] = logp[row, starts[r] - 1 : len(sequences[r]) - 1].float().cpu()
-    return out  # type: ignore[return-value]
+    """For each sequence, log p(seq[i] | seq[:i]) for i in [start, len): float32 [len - start],
+    scored by the Megatron model (parity.scoring.batched_logprobs says which p and how)."""
+    return batched_logprobs(lambda ids: forward_logits(model, ids), sequences, starts, batch_size, sampling)
