@@ -45,7 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     # before any vLLM plugin has run.
     register_hf_config()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse gives a trailing positional list only the words before the first option, so
+        # `train x.yaml --resume DIR total_steps=30` leaves the override over: take it as one.
+        if getattr(args, "overrides", None) is not None and all(
+            "=" in word and not word.startswith("-") for word in extra
+        ):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except UserError as e:

@@ -103,7 +103,10 @@ RUNS = [c for c in readme_commands() if c in SHRINK]
 def test_readme_command(command, user_dir):
     # The set-up + demo line runs in the repo itself, as the README says (scripts/ cd there).
     cwd = ROOT if command.startswith("bash scripts/") else user_dir
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # A user's shell: none of the process-group variables this test process may have set
+    # (an in-process Megatron of an earlier test holds its MASTER_PORT).
+    drop = {"PYTHONPATH", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     done = subprocess.run(command + SHRINK[command], shell=True, cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -1,5 +1,5 @@
 """Sampling that matches: `kimi-rl parity check --temperature 0.7 --top-p 0.9 --top-k 20` on real
-vLLM and real Megatron, tiny Llama and Qwen3, fp32 and bf16.
+vLLM and real Megatron, tiny Llama (fp32) and Qwen3 (bf16).
 
 vLLM returns the processed log-probs (logprobs_mode="processed_logprobs": after the temperature
 and the top-k / top-p cut, renormalised over the kept set); the trainer computes the same
@@ -22,7 +22,9 @@ PROMPT_LENS = (1, 5, 17, 64, 130, 300)
 BATCH_SIZES = [1, 8]
 BUDGET = 256  # chunked prefill of the 300-token prompt, mixed prefill/decode steps
 SAMPLING = Sampling(temperature=0.7, top_p=0.9, top_k=20)
-CASES = [("llama", "fp32"), ("llama", "bf16"), ("qwen3", "fp32"), ("qwen3", "bf16")]
+# Both architectures and both dtypes, in two engine starts (the sampling ops are the same code
+# for every model; test_parity.py covers all four pairs with plain sampling).
+CASES = [("llama", "fp32"), ("qwen3", "bf16")]
 
 
 @pytest.fixture(scope="module")
