@@ -30,9 +30,9 @@ run() {  # run NAME SECONDS CMD...: one log per run, its last lines printed
     grep -E "┃|│|MISMATCH|PASS|bitwise|Error|error:|captur|CUDA graph|cudagraph|rollout_speed" \
         "$OUT_DIR/$name.log" | grep -v "^\s*$" | tail -n "${TAIL:-14}"
 }
-check() {  # check NAME MODEL EXTRA_ARGS...
+check() {  # check NAME MODEL EXTRA_ARGS...: stock models on Triton attention (no FA carried)
     local name=$1 model=$2; shift 2
-    run "$name" 150 $PY -m rl.cli parity check --model "$MODELS/$model" --dtype bf16 \
+    run "$name" 150 $PY scripts/gpu_stock_triton.py rl.cli parity check --model "$MODELS/$model" --dtype bf16 \
         --batch-sizes 1,8,32 --num-prompts 8 --max-tokens 32 --report "$OUT_DIR/$name" "$@"
 }
 check llama-eager tiny-llama
@@ -40,7 +40,7 @@ check qwen3-eager tiny-qwen3
 check llama-graphs tiny-llama --cuda-graphs on
 check qwen3-graphs tiny-qwen3 --cuda-graphs on
 check llama-off-graphs tiny-llama --parity off --cuda-graphs on
-run rollout-speed 200 $PY scripts/bench_gpu.py --only rollout_speed --models "$MODELS/tiny-llama" \
+run rollout-speed 200 $PY scripts/gpu_stock_triton.py scripts/bench_gpu.py --only rollout_speed --models "$MODELS/tiny-llama" \
     --out "$OUT_DIR/rollout_speed.json"
 echo "== total $SECONDS s"
 if [ -n "${PACK:-}" ]; then
