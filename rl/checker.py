@@ -56,6 +56,7 @@ class CheckArgs:
     tensor_parallel_size: int = 1
     adapter: Path | None = None  # a peft LoRA adapter directory, applied on both sides
     sampling: Sampling = Sampling()  # what vLLM samples from; both sides score that distribution
+    cuda_graphs: bool = False  # vLLM's default mode (torch.compile + CUDA graphs) instead of eager
 
 
 def load_adapter(path: Path) -> tuple[dict[str, torch.Tensor], int, float, list[str]]:
@@ -106,6 +107,11 @@ def add_parity_commands(subparsers) -> None:
     check.add_argument(
         "--adapter", help="peft LoRA adapter directory (e.g. RUN_DIR/checkpoints/step_N/adapter):"
         " both sides compute with it",
+    )
+    check.add_argument(
+        "--cuda-graphs", choices=["on", "off"], default="off",
+        help="on: vLLM's default mode (torch.compile and CUDA graphs where the model and backend"
+        " allow them; GPU only); off: eager (default)",
     )
     check.set_defaults(func=run_check_command)
 
@@ -214,7 +220,7 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         max_tokens=ns.max_tokens, batch_sizes=_parse_batch_sizes(ns.batch_sizes),
         parity=ns.parity == "on", seed=ns.seed, report=report,
         max_num_batched_tokens=ns.max_num_batched_tokens, tensor_parallel_size=tp_size,
-        adapter=adapter, sampling=sampling,
+        adapter=adapter, sampling=sampling, cuda_graphs=getattr(ns, "cuda_graphs", "off") == "on",
     )
 
 
@@ -286,6 +292,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
             max_num_seqs=max(args.batch_sizes),
             max_num_batched_tokens=args.max_num_batched_tokens,
             tensor_parallel_size=args.tensor_parallel_size,
+            enforce_eager=not args.cuda_graphs,
         ) as engine:
             if adapter is not None:
                 tensors, lora_rank, alpha, _ = adapter
@@ -343,6 +350,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
         "model": str(args.model),
         "dtype": args.dtype,
         "parity": "on" if args.parity else "off",
+        "cuda_graphs": "on" if args.cuda_graphs else "off",
         "seed": args.seed,
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,

@@ -3,6 +3,7 @@ cuBLAS / torch reductions are row invariant, the parity GEMM and attention again
 torch's SDPA, and the Megatron trainer on CUDA with the parity kernels.
 
     python scripts/bench_gpu.py [--out bench_results/bench_gpu.json] [--skip-trainer]
+    python scripts/bench_gpu.py --only rollout_speed --models DIR[,DIR...]   (stock vs parity engines)
 
 Prints one line per measurement and writes all numbers as JSON (see docs/gpu.md).
 """
@@ -231,15 +232,55 @@ def trainer() -> None:
         torch.cuda.empty_cache()
 
 
+# Engines of rollout_speed: (name, parity, eager). vLLM's default mode for stock (torch.compile
+# and CUDA graphs); the parity model eager, and with graphs asked for (what vLLM then captures
+# of it is in its log: the parity attention backend declares no CUDA-graph support).
+ROLLOUT_ENGINES = (("stock, graphs", False, False), ("parity, eager", True, True),
+                   ("parity, graphs asked", True, False))
+
+
+def rollout_speed(model_dirs: list[str], batch: int = 32, max_tokens: int = 128) -> None:
+    """Decode tokens/s of whole rollout engines, stock vs parity, side by side in one run:
+    `batch` random 16-token prompts, `max_tokens` each (EOS ignored), after a warm-up call."""
+    from rollout.engine import RolloutEngine
+
+    for model_dir in model_dirs:
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(3, 500, (batch, 16), generator=g).tolist()
+        row = {}
+        for name, parity, eager in ROLLOUT_ENGINES:
+            t0 = time.perf_counter()
+            with RolloutEngine(model_dir, dtype="bf16", parity=parity, enforce_eager=eager,
+                               max_model_len=16 + max_tokens + 1, max_num_seqs=batch) as engine:
+                start = time.perf_counter() - t0
+                engine.generate(prompts, max_tokens=8, ignore_eos=True)
+                t1 = time.perf_counter()
+                out = engine.generate(prompts, max_tokens=max_tokens, ignore_eos=True)
+                seconds = time.perf_counter() - t1
+            tokens = sum(len(c.token_ids) for c in out)
+            row[name] = {"tokens_per_s": round(tokens / seconds, 1), "tokens": tokens,
+                         "engine_start_s": round(start, 1)}
+            log("rollout_speed", f"{Path(model_dir).name} {name}", row[name])
+        stock = row[ROLLOUT_ENGINES[0][0]]["tokens_per_s"]
+        for name, _, _ in ROLLOUT_ENGINES[1:]:
+            log("rollout_speed", f"{Path(model_dir).name} {name} / stock",
+                round(row[name]["tokens_per_s"] / stock, 3))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "bench_gpu.json"))
     ap.add_argument("--skip-trainer", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated sections")
+    ap.add_argument("--models", default="", help="rollout_speed: comma-separated model dirs"
+                    " (the section runs only when given; it needs vLLM's CUDA build)")
     args = ap.parse_args()
     sections = [environment, ceilings, stock_invariance, linear_speed, attention_speed, norm_speed, stress]
     if not args.skip_trainer:
         sections.append(trainer)
+    if args.models:
+        sections.append(lambda: rollout_speed(args.models.split(",")))
+        sections[-1].__name__ = "rollout_speed"
     only = set(filter(None, args.only.split(",")))
     for fn in sections:
         if only and fn.__name__ not in only:

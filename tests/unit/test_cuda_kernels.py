@@ -127,6 +127,18 @@ def test_rms_normalize_backward_is_the_derivative():
     assert (ours - auto).abs().max() < 1e-10
 
 
+def test_parity_check_cuda_graphs_flag(model_factory):
+    """`--cuda-graphs on` asks vLLM for its default mode (eager otherwise); the report says which."""
+    from rl.checker import validate
+    from rl.cli import build_parser
+
+    base = ["parity", "check", "--model", model_factory("llama")]
+    for extra, expected in (([], False), (["--cuda-graphs", "off"], False), (["--cuda-graphs", "on"], True)):
+        assert validate(build_parser().parse_args(base + extra)).cuda_graphs is expected
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(base + ["--cuda-graphs", "yes"])
+
+
 # --- CPU: dispatch ----------------------------------------------------------------------------
 
 
