@@ -79,11 +79,16 @@ class TrainerWorker:
     def logprobs(self, sequences: list[list[int]], starts: list[int], raw: bool = False) -> list[torch.Tensor]:
         return self.policy.logprobs(sequences, starts, raw)
 
-    def train_step(self, batch: dict) -> dict:
-        """The step's stats, and the old-policy log-probs it computed before updating (the
-        driver compares those bit for bit with the rollout log-probs)."""
-        stats = self.policy.train_step(batch)
-        return {"stats": stats, "old_logprobs": self.policy.last_old_logprobs()}
+    def old_logprobs(self, batch: dict) -> list[torch.Tensor]:
+        """The old-policy log-probs of the batch's sampled tokens, before any update: the
+        driver compares them bit for bit with the rollout's and then calls train_step."""
+        return self.policy.logprobs(batch["sequences"], batch["starts"])
+
+    def train_step(self, batch: dict, old_logprobs: list[torch.Tensor]) -> dict:
+        """{"stats", "skipped"}: the update, unless its loss or gradients are not finite;
+        then the trainer's state is restored as it was before the step (adapter, optimizer,
+        RNG) and "skipped" names the non-finite stats."""
+        return guarded_train_step(self.policy, batch, old_logprobs)
 
     def save_checkpoint(self, run_dir: str, step: int, extra: dict, keep: int) -> str:
         from trainer.checkpoint import save_checkpoint
@@ -94,3 +99,20 @@ class TrainerWorker:
         from trainer.checkpoint import load_checkpoint
 
         return load_checkpoint(Path(path), self.policy)
+
+
+def guarded_train_step(policy, batch: dict, old_logprobs: list[torch.Tensor] | None = None) -> dict:
+    """policy.train_step, undone when any of its stats (loss, KL, gradient norm) is NaN or inf:
+    a NaN reaches the parameters through the optimizer before it can be seen in them, so the
+    state is snapshotted first (a copy of the trainable params and optimizer state: small for
+    LoRA; for a full fine-tune it costs that much memory during the step)."""
+    import copy
+    import math
+
+    snapshot = copy.deepcopy(policy.state_dict())
+    stats = policy.train_step(batch, old_logprobs=old_logprobs)
+    bad = sorted(k for k, v in stats.items() if not math.isfinite(v))
+    if bad:
+        policy.load_state_dict(snapshot)
+        return {"stats": stats, "skipped": f"non-finite {', '.join(bad)}"}
+    return {"stats": stats, "skipped": None}
