@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from rl.config import RayConfig
+from rl.ray_patches import bind_to_loopback
 
 # Ray puts unix sockets at <temp_dir>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store
 # (~64 more bytes); Linux caps socket paths at 107 bytes, so a deep run_dir is swapped for a
@@ -54,6 +55,7 @@ def start_ray(cfg: RayConfig, run_dir: str | Path, num_cpus_needed: int) -> None
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(write_auth_token(run_dir))
     _reload_ray_auth()
+    bind_to_loopback()  # Ray would bind "::" and the machine's IP otherwise (see ray_patches)
     ray.init(
         num_cpus=max(cfg.num_cpus or os.cpu_count() or 1, num_cpus_needed),
         include_dashboard=cfg.dashboard,
