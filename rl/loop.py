@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from parity.compare import compare_logprobs
 from rl.config import Config, dump_config
@@ -313,8 +314,8 @@ def train(cfg: Config, console=None) -> Path:
             raise user_error(e) from None
         run_dir = Path(resumed["path"]).parent.parent  # <run_dir>/checkpoints/step_N
         for reason in resumed["skipped"]:
-            console.print(f"[yellow]skipped invalid checkpoint[/] {reason}")
-        console.print(f"resuming from {resumed['path']} (step {resumed['step']})")
+            console.print(f"[yellow]skipped invalid checkpoint[/] {escape(reason)}")
+        console.print(f"resuming from {escape(str(resumed['path']))} (step {resumed['step']})")
     else:
         resumed = None
         if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
@@ -524,7 +525,7 @@ def train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, conso
         issues_log.flush()
         if cfg.parity.on_mismatch == "fail":
             raise RunFailed(f"{message}; the update was not applied (parity.on_mismatch: fail)")
-        console.print(f"[red]{message}[/] (parity.on_mismatch: warn: training on)")
+        console.print(f"[red]{escape(message)}[/] (parity.on_mismatch: warn: training on)")
     result = ray.get(run.trainer.train_step.remote(batch, old_logprobs))
     t_train = time.perf_counter() - t1
     record.update({
@@ -551,7 +552,7 @@ def train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, conso
 
 def _skip(record: dict, step: int, reason: str, console, issues_log, t_rollout: float, t_reward: float,
           t_train: float = 0.0) -> dict[str, Any]:
-    console.print(f"[yellow]step {step} skipped[/] (policy unchanged): {reason}")
+    console.print(f"[yellow]step {step} skipped[/] (policy unchanged): {escape(reason)}")
     issues_log.write(f"step {step}: skipped (policy unchanged): {reason}\n")
     issues_log.flush()
     return {**record, "step/skipped": 1.0, "time/rollout": t_rollout, "time/reward": t_reward,
