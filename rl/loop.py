@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,7 +266,10 @@ class StopOnSignal:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        # Python delivers signals to the main thread only: elsewhere (train() called from a
+        # thread), the caller's own handling stays.
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS} if main else {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:

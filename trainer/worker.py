@@ -19,15 +19,13 @@ class TrainerWorker:
         trainer: TrainerConfig, algorithm: AlgorithmConfig, seed: int,
         sampling: Sampling | None = None,
     ) -> None:
-        from trainer.megatron_patches import free_port, init_megatron
+        from trainer.megatron_patches import init_megatron
         from trainer.policy import PolicyTrainer
 
         n = os.cpu_count() or 1  # see rollout.worker._set_threads
         os.environ["OMP_NUM_THREADS"] = str(n)
         torch.set_num_threads(n)
-        # A world of one on this node. The actor inherits the driver's environment, whose
-        # MASTER_PORT may be a port the driver's own process group already listens on.
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        init_world_of_one()
         init_megatron(tp_size=trainer.tensor_parallel_size, seed=seed)
         self.lora = lora
         self.policy = PolicyTrainer(
@@ -99,6 +97,19 @@ class TrainerWorker:
         from trainer.checkpoint import load_checkpoint
 
         return load_checkpoint(Path(path), self.policy)
+
+
+def init_world_of_one() -> None:
+    """torch.distributed for this process alone, listening on loopback only: the rendezvous
+    goes through a file (a TCPStore, env:// with MASTER_ADDR, listens on every interface, "::",
+    whatever MASTER_ADDR says), and gloo's own socket is on the loopback interface."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="kimi-rl-store-"), "store"), 1)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=0, world_size=1)
 
 
 def guarded_train_step(policy, batch: dict, old_logprobs: list[torch.Tensor] | None = None) -> dict:
