@@ -35,7 +35,7 @@ from rl.sync import SyncHook
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 TIMING = ("time/", "sync/seconds")
-STEPS = 5
+STEPS = 4
 # 2 prompts x 4 samples, 8 tokens: the smallest batch GRPO groups and the checks need.
 SHRINK = ["logging.wandb=disabled", "logging.console=false", "logging.plot=false",
           "data.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=8",
