@@ -6,7 +6,8 @@ signals to real PIDs (the driver's, and the trainer actor's from <run_dir>/pids.
   newest checkpoint then truncated (a half-written safetensors) -> resume falls back to the one
   before it, with a message; the run finished that way equals a straight run bit for bit
   (metrics and adapter). While the straight run runs, every listening socket of its process
-  tree must be on loopback; its Ray token is under the run dir, not in $HOME/.ray.
+  tree must be on loopback, and its GCS must refuse a client with another token than the one
+  under the run dir (not in $HOME/.ray).
 - A parity mismatch made real (a sync hook perturbs the adapter the rollout workers get, so
   the two sides hold different weights): on_mismatch fail stops before the update and writes
   the sequences; warn trains on. A NaN reward then skips a step, the adapter unchanged.
@@ -139,6 +140,17 @@ def _listening(pid: int) -> set[tuple[str, str, int]]:
     return out
 
 
+def _gcs_accepts(port: int, token: str, tmp_path: Path) -> tuple[bool, str]:
+    """Whether the run's GCS answers a client holding `token` (Ray's own GCS client, in a
+    process of its own; a rejected token fails at once with AuthenticationError)."""
+    env = _env(tmp_path)
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    code = (f"from ray._raylet import GcsClient; GcsClient(address='127.0.0.1:{port}')"
+            ".internal_kv_keys(b'', namespace=None, timeout=30); print('ACCEPTED')")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return "ACCEPTED" in proc.stdout, proc.stdout + proc.stderr
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
@@ -156,8 +168,20 @@ def test_sigterm_sigkill_corruption_and_resume_match_a_straight_run(model_factor
     model = model_factory("llama")
     straight = Train(tmp_path, model, tmp_path / "straight", f"total_steps={STEPS}")
     sockets: set = set()
-    straight.until(lambda: straight.steps_done() >= 2, poll=lambda: sockets.update(_listening(straight.proc.pid)))
+    probes: dict = {}
+
+    def poll() -> None:
+        sockets.update(_listening(straight.proc.pid))
+        gcs = [port for name, _, port in sockets if name == "gcs_server"]
+        if gcs and not probes and (token := straight.run_dir / "ray_auth_token").exists():
+            probes["wrong"] = _gcs_accepts(gcs[0], "0" * 64, tmp_path)
+            probes["run's"] = _gcs_accepts(gcs[0], token.read_text(), tmp_path)
+
+    straight.until(lambda: straight.steps_done() >= 2 and probes, poll=poll)
     assert straight.wait() == 0, straight.output()[-3000:]
+    # Token auth is enforced: the run's token opens the GCS, another one is refused.
+    assert not probes["wrong"][0] and "InvalidAuthToken" in probes["wrong"][1], probes["wrong"][1][-2000:]
+    assert probes["run's"][0], probes["run's"][1][-2000:]
     # Security, seen on the straight run: Ray (GCS, raylet, workers), vLLM and torch.distributed
     # listen on loopback only; the token is the run's, private, and not in the home directory.
     assert {name for name, _, _ in sockets} >= {"gcs_server", "raylet"}, sockets
