@@ -429,7 +429,7 @@ def score_tensor_parallel(
             args=(size, free_port(), str(args.model), args.dtype, args.parity, args.seed,
                   sequences, starts, out_path, adapter, args.sampling),
         )
-        return torch.load(out_path)
+        return torch.load(out_path, weights_only=True)  # tensors only, never pickled objects
 
 
 def print_table(report: dict, console) -> None:

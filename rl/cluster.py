@@ -1,14 +1,17 @@
-"""Ray for a training run: a local cluster on 127.0.0.1 (dashboard off, temp and auth files
-under the run directory), or an existing one at `ray.address`; and the placement group that
-puts the rollout workers and the trainer on CPUs (or GPUs) of their own."""
+"""Ray for a training run: a local cluster on 127.0.0.1 (dashboard off, token auth on with
+the token and temp files under the run directory), or an existing one at `ray.address`; and
+the placement group that puts the rollout workers and the trainer on CPUs (or GPUs) of their
+own."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 from pathlib import Path
 
 from rl.config import RayConfig
+from rl.ray_patches import bind_to_loopback
 
 # Ray puts unix sockets at <temp_dir>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store
 # (~64 more bytes); Linux caps socket paths at 107 bytes, so a deep run_dir is swapped for a
@@ -25,17 +28,34 @@ def ray_temp_dir(cfg: RayConfig, run_dir: str | Path) -> str:
     return str(path)
 
 
+def write_auth_token(run_dir: str | Path) -> Path:
+    """A fresh random token at <run_dir>/ray_auth_token, readable by the user only."""
+    path = Path(run_dir).resolve() / "ray_auth_token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.chmod(path, 0o600)  # O_CREAT's mode does not apply to a file that already existed
+    return path
+
+
 def start_ray(cfg: RayConfig, run_dir: str | Path, num_cpus_needed: int) -> None:
     """Connect to `cfg.address`, or start a private local cluster for this run."""
     import ray
 
-    # Token auth (new in Ray 2.60) would write ~/.ray/auth_token; a private local cluster
-    # bound to 127.0.0.1 needs none, and the user's home stays untouched.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if cfg.address:
+        # The cluster's owner decides its auth; Ray reads RAY_AUTH_MODE / RAY_AUTH_TOKEN(_PATH).
         ray.init(address=cfg.address, log_to_driver=True)
         return
+    # Token auth (Ray 2.60: RAY_AUTH_MODE=token; every gRPC call between Ray's processes then
+    # carries the token). Ray's default token file is ~/.ray/auth_token; RAY_AUTH_TOKEN_PATH,
+    # read by Ray's C++ token loader in every process it starts, puts it under the run dir,
+    # with a new token per run (a resume too).
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(write_auth_token(run_dir))
+    _reload_ray_auth()
+    bind_to_loopback()  # Ray would bind "::" and the machine's IP otherwise (see ray_patches)
     ray.init(
         num_cpus=max(cfg.num_cpus or os.cpu_count() or 1, num_cpus_needed),
         include_dashboard=cfg.dashboard,
@@ -46,6 +66,18 @@ def start_ray(cfg: RayConfig, run_dir: str | Path, num_cpus_needed: int) -> None
         configure_logging=True,
         logging_level="warning",
     )
+
+
+def _reload_ray_auth() -> None:
+    """Make this (driver) process see the auth settings just put in the environment. Ray 2.60
+    caches both once per process: the mode in its C++ RayConfig (read when ray is imported)
+    and the token in AuthenticationTokenLoader (read on first use), so a second run in the same
+    process would otherwise present the first run's token (or none) to the new cluster. These
+    are the calls Ray's own `_enable_token_auth` / `ensure_token_if_auth_enabled` make."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def placement_group(num_rollout_workers: int, use_gpus: bool):

@@ -41,7 +41,7 @@ from trainer.config import (
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig",
-    "LoraConfig", "ModelConfig", "RayConfig", "RewardConfig", "RolloutConfig", "SyncConfig",
+    "LoraConfig", "ModelConfig", "ParityConfig", "RayConfig", "RewardConfig", "RolloutConfig", "SyncConfig",
     "TrainerConfig", "dump_config", "load_config", "resolve_callable",
 ]
 
@@ -106,13 +106,23 @@ class LoggingConfig:
 
 
 @dataclass
+class ParityConfig:
+    # Rollout and trainer compute bit-identical log-probs; false runs stock vLLM (adapter
+    # merged into its weights) and allows algorithm.is_correction instead.
+    enabled: bool = True
+    # What a step does when the trainer's re-score of the sampled tokens differs from the
+    # rollout's log-probs (checked before the update): fail = the update is not applied, the
+    # sequences go to <run_dir>/mismatch/step_N.json and the run stops; warn = report, go on.
+    on_mismatch: Literal["fail", "warn"] = "fail"
+
+
+@dataclass
 class Config:
     run_dir: str = setting(path=True)  # everything a run writes goes under it
     total_steps: int = setting(ge=1)
     model: ModelConfig  # required: model.path has no default
     seed: int = setting(0, ge=0)
-    # Rollout and trainer compute bit-identical log-probs; false allows is_correction instead.
-    parity: bool = True
+    parity: ParityConfig = field(default_factory=ParityConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -232,7 +242,9 @@ def _build(cls: type, data: Any, prefix: str, sources: _Sources) -> Any:
     if data is None:
         data = {}  # `trainer:` with nothing under it means all defaults
     if not isinstance(data, dict):
-        raise sources.error(section, f"expected a mapping, got {_kind(data)}")
+        # `parity` was a bool before it became a section: say what to write instead.
+        hint = f" (write parity.enabled: {str(data).lower()})" if cls is ParityConfig and isinstance(data, bool) else ""
+        raise sources.error(section, f"expected a mapping, got {_kind(data)}{hint}")
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if not isinstance(key, str):
@@ -329,7 +341,7 @@ def _check(cfg: Config, sources: _Sources) -> None:
             raise err(f"lora.target_modules[{i}]", f"expected one of {', '.join(LORA_MODULES)}; "
                       f"got {module!r}")
     tp_rollout, tp_trainer = cfg.rollout.tensor_parallel_size, cfg.trainer.tensor_parallel_size
-    if cfg.parity and tp_rollout != tp_trainer:
+    if cfg.parity.enabled and tp_rollout != tp_trainer:
         # Name the key the file (or an override) sets, so the message carries its line.
         sizes = {"rollout.tensor_parallel_size": tp_rollout, "trainer.tensor_parallel_size": tp_trainer}
         key = "rollout.tensor_parallel_size"
@@ -355,8 +367,8 @@ def _check(cfg: Config, sources: _Sources) -> None:
     except (OSError, ValueError, AttributeError):
         architectures = [""]  # validate_model_dir reports a broken config.json with its line
     if architectures[0] == "KimiMiniForCausalLM":
-        if not cfg.parity:
-            raise err("parity", "must be true for kimi-mini: its KDA / MLA / MoE layers exist only "
+        if not cfg.parity.enabled:
+            raise err("parity.enabled", "must be true for kimi-mini: its KDA / MLA / MoE layers exist only "
                       "as parity implementations (there is no stock vLLM / Megatron version)")
     elif not cfg.parity:
         from parity.model_spec import load_spec
@@ -371,9 +383,9 @@ def _check(cfg: Config, sources: _Sources) -> None:
             if module in KIMI_ONLY_LORA_MODULES:
                 raise err("lora.target_modules", f"{module!r} exists in kimi-mini's MLA layers only, "
                           f"not in {architectures[0]}")
-    if cfg.algorithm.is_correction != "none" and cfg.parity:
-        raise err("algorithm.is_correction", f"{cfg.algorithm.is_correction!r} needs the top-level "
-                  "parity: false (with parity the two sides' log-probs match: nothing to correct)")
+    if cfg.algorithm.is_correction != "none" and cfg.parity.enabled:
+        raise err("algorithm.is_correction", f"{cfg.algorithm.is_correction!r} needs "
+                  "parity.enabled: false (with parity the two sides' log-probs match: nothing to correct)")
     if cfg.algorithm.name == "ppo" and cfg.algorithm.vf_coef == 0:
         raise err("algorithm.vf_coef", "must be > 0 for ppo: PPO needs a critic, and with "
                   "vf_coef 0 the value loss that trains it vanishes")

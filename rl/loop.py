@@ -8,22 +8,32 @@
       rollout      prompts x samples_per_prompt, split over the workers, sampled with the
                    rollout's temperature / top-p / top-k (both sides score that distribution)
       reward       completions scored; a reward function that raises is reported, scores 0
-      train        the trainer re-scores the sampled tokens (old-policy log-probs), compares them
-                   with the rollout log-probs bit for bit (parity/*), and takes the PPO/GRPO/RLOO
-                   step on the LoRA adapter
+      train        the trainer re-scores the sampled tokens (old-policy log-probs); they are
+                   compared with the rollout log-probs bit for bit (parity/*) BEFORE the update:
+                   a mismatch stops the run (parity.on_mismatch fail; the sequences go to
+                   mismatch/step_N.json) or is reported (warn); then the PPO/GRPO/RLOO step on
+                   the LoRA adapter. NaN/inf rewards or loss: the step is skipped, the policy
+                   unchanged (the trainer restores its state), and reported
       sync         the new adapter to every worker; hooks verify checksums and time it
       log          metrics.jsonl, wandb, console; a checkpoint every `checkpoint.every` steps
+      stop?        after SIGINT / SIGTERM: a checkpoint at this step boundary, then exit
     finish         final checkpoint, curves.png, actors and Ray shut down
+    faults         the trainer process dying ends the run (RunFailed, naming the last
+                   checkpoint); a rollout worker dying is restarted once
 """
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from parity.compare import compare_logprobs
 from rl.config import Config, dump_config
@@ -84,7 +94,7 @@ def split(items: list, parts: int) -> list[list]:
 class Run:
     """The actors of one run and the calls the loop makes on them."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None) -> None:
         import ray
 
         from rl.cluster import start_ray
@@ -92,7 +102,7 @@ class Run:
         self.cfg = cfg
         self.packed_adapter: tuple = (None, {})  # (object ref, its tensors) of the last adapter
         n = cfg.rollout.num_workers
-        start_ray(cfg.ray, cfg.run_dir, num_cpus_needed=n + 1)
+        start_ray(cfg.ray, run_dir or cfg.run_dir, num_cpus_needed=n + 1)
         try:
             self._start_actors(cfg, n)
         except BaseException:
@@ -114,7 +124,7 @@ class Run:
             .options(num_cpus=1, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=n),
                      runtime_env=env)
             .remote(
-                cfg.model.path, cfg.model.dtype, parity=cfg.parity, lora=cfg.lora,
+                cfg.model.path, cfg.model.dtype, parity=cfg.parity.enabled, lora=cfg.lora,
                 trainer=cfg.trainer, algorithm=cfg.algorithm, seed=cfg.seed,
                 sampling=cfg.rollout.sampling(),
             )
@@ -125,7 +135,7 @@ class Run:
             .options(num_cpus=1, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=i),
                      runtime_env=env, name=f"kimi-rl-rollout-{i}")
             .remote(
-                i, cfg.model.path, dtype=cfg.model.dtype, parity=cfg.parity, seed=cfg.seed,
+                i, cfg.model.path, dtype=cfg.model.dtype, parity=cfg.parity.enabled, seed=cfg.seed,
                 max_model_len=max_len, max_num_seqs=cfg.rollout.max_num_seqs,
                 max_num_batched_tokens=cfg.rollout.max_num_batched_tokens,
             )
@@ -159,14 +169,14 @@ class Run:
 
         cfg = self.cfg
         scaling = ray.get(self.trainer.lora_scaling.remote()) or 1.0
-        if cfg.lora.enabled and cfg.parity:
+        if cfg.lora.enabled and cfg.parity.enabled:
             # Packed by the trainer: the workers read this very object from the store, unless
             # a hook replaces a tensor (see make_sync); the hooks see views of it.
             ref = self.trainer.rollout_packed.remote()
             tensors = unpack_tensors(*ray.get(ref))
             self.packed_adapter = (ref, tensors)
             return "adapter", tensors, scaling
-        source = self.trainer.rollout_params if cfg.parity else self.trainer.merged_weights
+        source = self.trainer.rollout_params if cfg.parity.enabled else self.trainer.merged_weights
         return "full", ray.get(source.remote()), scaling
 
     def resync_worker(self, index: int) -> None:
@@ -223,7 +233,7 @@ def make_sync(run: Run, cfg: Config, probe: list[list[int]]):
         )
 
     names = list(cfg.sync.hooks)
-    if not cfg.parity:
+    if not cfg.parity.enabled:
         # Stock vLLM repacks weights for its kernels, and its log-probs differ from the
         # trainer's by design: there is nothing bitwise to verify.
         names = [n for n in names if n not in ("checksum", "parity_probe")]
@@ -231,8 +241,63 @@ def make_sync(run: Run, cfg: Config, probe: list[list[int]]):
     return WeightSync(hooks, len(run.workers), push_adapter, push_full, cfg.sync.bucket_mb)
 
 
+class RunFailed(Exception):
+    """A step could not complete — a parity mismatch with on_mismatch fail, the trainer
+    process gone, a checkpoint that could not be written. Nothing of that step was applied;
+    the one-line message names the step and how to continue (the CLI exits 1)."""
+
+
+class RunStopped(Exception):
+    """SIGINT / SIGTERM: the run stopped at a step boundary after writing a checkpoint there
+    (the CLI exits 128 + the signal's number)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopOnSignal:
+    """SIGINT / SIGTERM ask the loop to stop after the current step (with a checkpoint); a
+    second one stops at once (KeyboardInterrupt: the run's processes are still shut down, the
+    last checkpoint is the one to resume from). Installed after ray.init, which sets its own
+    SIGTERM handler in the driver (sys.exit)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        # Python delivers signals to the main thread only: elsewhere (train() called from a
+        # thread), the caller's own handling stays.
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS} if main else {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.signum = signum
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def write_pids(run: Run, run_dir: Path) -> None:
+    """<run_dir>/pids.json: the driver's and each actor's process id (to watch or stop them)."""
+    import json
+    import os
+
+    import ray
+
+    def pid(actor) -> int:
+        return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+
+    pids = {"driver": os.getpid(), "trainer": pid(run.trainer), "rollout": [pid(w) for w in run.workers]}
+    (run_dir / "pids.json").write_text(json.dumps(pids) + "\n")
+
+
 def train(cfg: Config, console=None) -> Path:
-    """Run (or resume, with cfg.checkpoint.resume_from) a training run; returns the run dir."""
+    """Run (or resume, with cfg.checkpoint.resume_from) a training run; returns the run dir.
+    Raises RunFailed (a step could not complete) or RunStopped (SIGINT / SIGTERM)."""
     import ray
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -252,6 +317,9 @@ def train(cfg: Config, console=None) -> Path:
         except CheckpointError as e:
             raise user_error(e) from None
         run_dir = Path(resumed["path"]).parent.parent  # <run_dir>/checkpoints/step_N
+        for reason in resumed["skipped"]:
+            console.print(f"[yellow]skipped invalid checkpoint[/] {escape(reason)}")
+        console.print(f"resuming from {escape(str(resumed['path']))} (step {resumed['step']})")
     else:
         resumed = None
         if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
@@ -273,9 +341,13 @@ def train(cfg: Config, console=None) -> Path:
 
     console.print(f"[bold]kimi-rl train[/] → {run_dir}  ({cfg.algorithm.name}, "
                   f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full weights'}, "
-                  f"parity {'on' if cfg.parity else 'off'}, {cfg.rollout.num_workers} rollout worker(s))")
-    run = Run(cfg)
+                  f"parity {'on, on_mismatch ' + cfg.parity.on_mismatch if cfg.parity.enabled else 'off'}, "
+                  f"{cfg.rollout.num_workers} rollout worker(s))")
+    run = Run(cfg, run_dir)
+    stop = StopOnSignal()
+    step = start_step + 1  # the step in progress (the loop below reassigns it), for messages
     try:
+        write_pids(run, run_dir)
         if resumed is not None:
             from trainer.checkpoint import CheckpointError
 
@@ -297,17 +369,32 @@ def train(cfg: Config, console=None) -> Path:
         with Progress(*columns, console=console, disable=not cfg.logging.console) as progress:
             task = progress.add_task("train", total=cfg.total_steps, completed=start_step, info="")
             for step in range(start_step + 1, cfg.total_steps + 1):
-                record = train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, console)
+                record = train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, console,
+                                    run_dir)
                 metrics.write(record)
                 wandb.log(record)
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.total_steps:
+                saved = cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.total_steps
+                if saved:
                     save(run, run_dir, step, source, cfg)
-                progress.update(task, advance=1, info=(
+                progress.update(task, advance=1, info="skipped" if record["step/skipped"] else (
                     f"reward {record['reward/mean']:.3f}  parity {record['parity/bitwise_equal_fraction']:.4f}"
                     f"  kl {record['ppo/kl']:.2e}"))
+                if stop.signum is not None and step < cfg.total_steps:
+                    if not saved:
+                        save(run, run_dir, step, source, cfg)
+                    name = signal.Signals(stop.signum).name
+                    raise RunStopped(f"{name}: stopped after step {step}, checkpoint "
+                                     f"{run_dir / 'checkpoints' / _step_name(step)}; continue with "
+                                     f"--resume {run_dir}", stop.signum)
         if cfg.total_steps > start_step:
             save(run, run_dir, cfg.total_steps, source, cfg)
+    except ray.exceptions.RayActorError as e:
+        if _alive(run.trainer):
+            raise
+        raise RunFailed(f"step {step}: the trainer process died "
+                        f"({type(e).__name__}); the step was not applied; {_last_checkpoint(run_dir)}") from None
     finally:
+        stop.restore()
         metrics.close()
         wandb.close()
         issues_log.close()
@@ -320,15 +407,70 @@ def train(cfg: Config, console=None) -> Path:
     return run_dir
 
 
+def _step_name(step: int) -> str:
+    from trainer.checkpoint import step_dir_name
+
+    return step_dir_name(step)
+
+
+def _alive(actor) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=30)
+        return True
+    except Exception:  # dead, or not answering: either way it cannot go on
+        return False
+
+
+def _last_checkpoint(run_dir: Path) -> str:
+    from trainer.checkpoint import CheckpointError, resolve_checkpoint
+
+    try:
+        step, _ = resolve_checkpoint(run_dir)
+    except CheckpointError:
+        return f"no checkpoint yet under {run_dir}: start again"
+    return f"the last checkpoint is {step}: continue with --resume {run_dir}"
+
+
 def save(run: Run, run_dir: Path, step: int, source, cfg: Config) -> None:
     import ray
 
-    ray.get(run.trainer.save_checkpoint.remote(
-        str(run_dir), step, {"data": source.state_dict()}, cfg.checkpoint.keep))
+    from trainer.checkpoint import CheckpointError
+
+    try:
+        ray.get(run.trainer.save_checkpoint.remote(
+            str(run_dir), step, {"data": source.state_dict()}, cfg.checkpoint.keep))
+    except CheckpointError as e:  # Ray re-raises the trainer's exception as a subclass of it
+        raise RunFailed(f"step {step}: {user_error(e)}") from None
 
 
-def train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, console) -> dict[str, Any]:
-    """One step: rollout, reward, train, sync. Returns the step's metrics record."""
+def write_mismatch(run_dir: Path, step: int, completions: list[dict], old_logprobs: list[torch.Tensor]) -> tuple[Path, dict]:
+    """<run_dir>/mismatch/step_N.json: every sequence whose rollout and trainer log-probs are
+    not torch.equal (prompt ids, sampled token ids, both log-prob vectors, as exact floats),
+    and the first differing token; returns (path, that first token)."""
+    import json
+
+    rows, first = [], None
+    for i, (c, trainer_lp) in enumerate(zip(completions, old_logprobs, strict=True)):
+        rollout_lp = c["rollout_logprobs"]
+        if torch.equal(rollout_lp, trainer_lp):
+            continue
+        t = int((rollout_lp != trainer_lp).nonzero()[0, 0])
+        if first is None:
+            first = {"sequence": i, "token_index": t, "token_id": c["token_ids"][t],
+                     "rollout": float(rollout_lp[t]), "trainer": float(trainer_lp[t])}
+        rows.append({"sequence": i, "prompt_ids": c["prompt_ids"], "token_ids": c["token_ids"],
+                     "rollout_logprobs": rollout_lp.tolist(), "trainer_logprobs": trainer_lp.tolist()})
+    path = run_dir / "mismatch" / f"{_step_name(step)}.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"step": step, "first": first, "sequences": rows}) + "\n")
+    return path, first
+
+
+def train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, console, run_dir) -> dict[str, Any]:
+    """One step: rollout, reward, parity check, train, sync. Returns the step's metrics record
+    (`step/skipped` 1 when the step was not applied: non-finite rewards or loss)."""
     import ray
 
     from rl.data import format_prompt
@@ -350,46 +492,75 @@ def train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, conso
         console.print(f"[yellow]step {step}: reward function failed[/] {issue}")
     issues_log.flush()
     t_reward = time.perf_counter() - t0 - t_rollout
-
-    # train: old-policy log-probs (compared bitwise with the rollout's), then the update
-    batch = {
-        "sequences": [c["prompt_ids"] + c["token_ids"] for c in completions],
-        "starts": [len(c["prompt_ids"]) for c in completions],
-        "rollout_logprobs": [c["rollout_logprobs"] for c in completions],
-        "rewards": torch.tensor(rewards, dtype=torch.float32),
-        "group_size": k,
-    }
-    t1 = time.perf_counter()
-    result = ray.get(run.trainer.train_step.remote(batch))
-    t_train = time.perf_counter() - t1
-    stats, old_logprobs = result["stats"], result["old_logprobs"]
-    parity = compare_logprobs(batch["rollout_logprobs"], old_logprobs)
-    if cfg.parity and not parity.all_equal:
-        console.print(f"[red]step {step}: rollout and trainer log-probs differ[/] "
-                      f"(max |Δ| {parity.max_abs_diff:.3e}, {parity.tokens_compared - parity.tokens_equal} tokens)")
-
-    # sync the updated policy to the rollout workers
-    sync_metrics = sync(step)
-
-    reward_t = batch["rewards"]
+    reward_t = torch.tensor(rewards, dtype=torch.float32)
     lengths = torch.tensor([len(c["token_ids"]) for c in completions], dtype=torch.float32)
-    return {
+    record: dict[str, Any] = {
         "step": step,
+        "step/skipped": 0.0,
         "reward/mean": float(reward_t.mean()),
         "reward/std": float(reward_t.std()) if len(reward_t) > 1 else 0.0,
         "reward/issues": len(reward_issues),
         "response/length_mean": float(lengths.mean()),
-        **stats,
+    }
+    non_finite = [i for i in reward_issues if i.non_finite]
+    if non_finite:
+        return _skip(record, step, f"{len(non_finite)} non-finite reward(s) ({non_finite[0]})",
+                     console, issues_log, t_rollout, t_reward)
+
+    # train: old-policy log-probs, compared bitwise with the rollout's BEFORE the update
+    batch = {
+        "sequences": [c["prompt_ids"] + c["token_ids"] for c in completions],
+        "starts": [len(c["prompt_ids"]) for c in completions],
+        "rollout_logprobs": [c["rollout_logprobs"] for c in completions],
+        "rewards": reward_t,
+        "group_size": k,
+    }
+    t1 = time.perf_counter()
+    old_logprobs = ray.get(run.trainer.old_logprobs.remote(batch))
+    parity = compare_logprobs(batch["rollout_logprobs"], old_logprobs)
+    if cfg.parity.enabled and not parity.all_equal:
+        path, first = write_mismatch(run_dir, step, completions, old_logprobs)
+        message = (f"step {step}: rollout and trainer log-probs differ in "
+                   f"{parity.sequences - parity.sequences_equal} sequence(s), "
+                   f"{parity.tokens_compared - parity.tokens_equal} token(s); first at sequence "
+                   f"{first['sequence']} token {first['token_index']} (id {first['token_id']}): rollout "
+                   f"{first['rollout']!r}, trainer {first['trainer']!r}; sequences in {path}")
+        issues_log.write(message + "\n")
+        issues_log.flush()
+        if cfg.parity.on_mismatch == "fail":
+            raise RunFailed(f"{message}; the update was not applied (parity.on_mismatch: fail)")
+        console.print(f"[red]{escape(message)}[/] (parity.on_mismatch: warn: training on)")
+    result = ray.get(run.trainer.train_step.remote(batch, old_logprobs))
+    t_train = time.perf_counter() - t1
+    record.update({
         "parity/tokens": parity.tokens_compared,
         "parity/bitwise_equal_fraction": parity.bitwise_equal_fraction,
         "parity/max_abs_diff": parity.max_abs_diff,
         "parity/kl_k1": parity.kl_k1,
         "parity/kl_k3": parity.kl_k3,
+    })
+    if result["skipped"]:  # the trainer restored its state: nothing changed, nothing to sync
+        return _skip(record, step, result["skipped"], console, issues_log, t_rollout, t_reward, t_train)
+
+    # sync the updated policy to the rollout workers
+    sync_metrics = sync(step)
+    return {
+        **record,
+        **result["stats"],
         **{"sync/checksum_ok": 0.0, **sync_metrics},
         "time/rollout": t_rollout,
         "time/reward": t_reward,
         "time/train": t_train,
     }
+
+
+def _skip(record: dict, step: int, reason: str, console, issues_log, t_rollout: float, t_reward: float,
+          t_train: float = 0.0) -> dict[str, Any]:
+    console.print(f"[yellow]step {step} skipped[/] (policy unchanged): {escape(reason)}")
+    issues_log.write(f"step {step}: skipped (policy unchanged): {reason}\n")
+    issues_log.flush()
+    return {**record, "step/skipped": 1.0, "time/rollout": t_rollout, "time/reward": t_reward,
+            "time/train": t_train}
 
 
 def generate_with_restart(run: Run, prompts: list[list[int]], step: int, console, issues_log) -> list[dict]:
@@ -446,5 +617,12 @@ def run_train_command(ns) -> int:
     if ns.print_config:
         print(dump_config(cfg), end="")
         return 0
-    train(cfg)
+    try:
+        train(cfg)
+    except RunStopped as e:
+        sys.stderr.write(f"kimi-rl: {e}\n")
+        return 128 + e.signum
+    except RunFailed as e:
+        sys.stderr.write(f"kimi-rl: error: {e}\n")
+        return 1
     return 0

@@ -140,6 +140,9 @@ class RewardIssue:
     index: int  # position in the batch
     prompt: str  # the first 80 characters of the prompt
     error: str  # "ExceptionType: message", or what the function returned instead of a number
+    # The function returned NaN or inf: the loop skips the step (a number that broke, unlike an
+    # exception, says the whole batch's rewards may be wrong).
+    non_finite: bool = False
 
     def __str__(self) -> str:
         return f"reward for sample {self.index} ({self.prompt!r}) set to 0: {self.error}"
@@ -166,8 +169,11 @@ def score_batch(
             rewards.append(value)
         else:
             rewards.append(0.0)
-            issues.append(RewardIssue(i, _excerpt(sample.prompt), error))
+            issues.append(RewardIssue(i, _excerpt(sample.prompt), error, error.startswith(_NON_FINITE)))
     return rewards, issues
+
+
+_NON_FINITE = "returned non-finite"
 
 
 def _as_reward(value: Any) -> tuple[float, str | None]:
@@ -185,7 +191,7 @@ def _as_reward(value: Any) -> tuple[float, str | None]:
     except (TypeError, ValueError, RuntimeError) as e:  # e.g. a tensor with many elements
         return 0.0, f"returned {type(value).__name__} that is not a scalar ({e})"
     if not math.isfinite(x):
-        return 0.0, f"returned non-finite {x}"
+        return 0.0, f"{_NON_FINITE} {x}"
     return x, None
 
 

@@ -7,29 +7,38 @@ Layout under `run_dir/checkpoints/`:
         model/model.safetensors + the base checkpoint's config and tokenizer files (full)
         trainer.pt    trainable fp32 masters, critic, optimizer, RNG states (what resume loads)
         state.json    {"step": ..., "extra": {...}} (the driver's own state: data cursor, ...)
+        manifest.json every other file's size and sha256, written last
     latest            the name of the newest complete step dir
 
 A step dir is written under a temporary name in the same parent, fsynced, then renamed with
 os.replace, so a crash leaves either the old or the new checkpoint, never half of one; the
 adapter/model dirs are exports (peft, vLLM, transformers), trainer.pt is the resume state.
+The manifest catches what atomic renames cannot: a file truncated, changed or deleted after
+the save (a disk error, a partial copy, a user). `newest_valid_checkpoint` checks it and falls
+back to an older step dir; a write that fails (no space, a file-size limit) removes its
+temporary dir and leaves the previous checkpoint and `latest` as they were.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
 
 from trainer.lora import peft_config, save_peft
-from trainer.policy import PolicyTrainer
+
+if TYPE_CHECKING:  # Megatron is imported by whoever builds the trainer, not by a checkpoint reader
+    from trainer.policy import PolicyTrainer
 
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+MANIFEST = "manifest.json"
 # Files of an HF checkpoint dir that carry weights (replaced by the trained ones on export).
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth")
 
@@ -57,11 +66,19 @@ def save_checkpoint(
         shutil.rmtree(stale, ignore_errors=True)
     name = step_dir_name(step)
     tmp = root / f"{TMP_PREFIX}{name}"
-    tmp.mkdir()
-    _write_exports(tmp, trainer)
-    torch.save(trainer.state_dict(), tmp / "trainer.pt")
-    (tmp / "state.json").write_text(state)
-    _fsync_tree(tmp)
+    try:
+        tmp.mkdir()
+        _write_exports(tmp, trainer)
+        _torch_save(trainer.state_dict(), tmp / "trainer.pt")
+        (tmp / "state.json").write_text(state)
+        (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1) + "\n")  # last
+        _fsync_tree(tmp)
+    except OSError as e:  # no space, a file-size limit, ...: the previous checkpoint stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+        kept = f"the previous checkpoint {root / previous} is intact" if previous else "no earlier checkpoint"
+        raise CheckpointError(f"could not write checkpoint {root / name} ({type(e).__name__}: {e}); "
+                              f"{kept}") from None
     final = root / name
     if final.exists():  # saving a step again (e.g. after a resume): os.replace needs it gone
         old = root / f"{TMP_PREFIX}old-{name}"
@@ -71,6 +88,36 @@ def save_checkpoint(
     _write_atomic(root / "latest", name + "\n")
     _prune(root, keep, name)
     return final
+
+
+class _Writes:
+    """A file torch.save writes through, keeping the OSError of a failed write: torch reports
+    it as RuntimeError("[enforce fail at inline_container.cc] unexpected pos ..."), which does
+    not say that the disk is full or the file too large."""
+
+    def __init__(self, f) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        out = _Writes(f)
+        try:
+            torch.save(obj, out)
+        except RuntimeError:
+            if out.error is not None:
+                raise out.error from None
+            raise
 
 
 def _write_exports(out: Path, trainer: PolicyTrainer) -> None:
@@ -85,6 +132,40 @@ def _write_exports(out: Path, trainer: PolicyTrainer) -> None:
         if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(src, model / src.name)
     save_file(trainer.rollout_tensors(), str(model / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest(step: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {"bytes", "sha256"}} of every file under `step` but the manifest."""
+    files = sorted(p for p in step.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return {str(p.relative_to(step)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+
+
+def verify_checkpoint(step: Path) -> None:
+    """Raise CheckpointError naming the first file that is missing, truncated or changed since
+    the save wrote the manifest (a step dir without one is incomplete)."""
+    try:
+        expected = json.loads((step / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{step}: no {MANIFEST} (incomplete checkpoint)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{step}/{MANIFEST}: unreadable ({type(e).__name__}: {e})") from None
+    for rel, want in expected.items():
+        path = step / rel
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path}: {size} bytes, {MANIFEST} says {want['bytes']} (truncated?)")
+        if _sha256(path) != want["sha256"]:
+            raise CheckpointError(f"{path}: sha256 differs from {MANIFEST} (corrupt)")
 
 
 def _fsync_tree(path: Path) -> None:
@@ -125,47 +206,57 @@ def _prune(root: Path, keep: int, current: str) -> None:
             shutil.rmtree(path)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The step dir that `path` names: a step dir, a run dir or its checkpoints/ (via latest)."""
+def resolve_checkpoint(path: str | Path) -> tuple[Path, list[str]]:
+    """(the valid step dir that `path` names, why newer ones were skipped). `path` is a step dir
+    (used as is, or refused if invalid) or a run dir / its checkpoints/: then the newest step
+    dir whose manifest checks out, `latest` first, older ones after it."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint")
-    if (path / "state.json").exists() or (path / "trainer.pt").exists():
-        return path
-    for root in (path / "checkpoints", path):
-        latest = root / "latest"
-        if latest.is_file():
-            name = latest.read_text().strip()
-            step = root / name
-            if not name or not step.is_dir():
-                raise CheckpointError(f"{latest}: names {name!r}, which is not a checkpoint dir in {root}")
-            return step
-    raise CheckpointError(f"{path}: not a checkpoint (no state.json) and no checkpoints/latest under it")
+    if _step_of(path) is not None or (path / "state.json").exists() or (path / MANIFEST).exists():
+        verify_checkpoint(path)
+        return path, []
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    candidates = sorted((s, p) for p in root.iterdir() if p.is_dir() and (s := _step_of(p)) is not None)
+    if not candidates:
+        raise CheckpointError(f"{path}: not a checkpoint (no state.json) and no step dirs under {root}")
+    latest = root / "latest"
+    name = latest.read_text().strip() if latest.is_file() else ""
+    order = [p for _, p in reversed(candidates)]
+    order.sort(key=lambda p: p.name != name)  # `latest` first, then newest to oldest (stable)
+    skipped = []
+    for step in order:
+        try:
+            verify_checkpoint(step)
+            return step, skipped
+        except CheckpointError as e:
+            skipped.append(str(e))
+    raise CheckpointError(f"{root}: no valid checkpoint ({'; '.join(skipped)})")
 
 
 def read_checkpoint_state(path: str | Path) -> dict[str, Any]:
     """state.json of the checkpoint `path` names (see resolve_checkpoint), plus "path": its
-    step dir. Needs no trainer, so a driver can check a resume target before starting one."""
-    step = resolve_checkpoint(path)
+    step dir, and "skipped": why newer step dirs were passed over. Needs no trainer, so a
+    driver can check a resume target before starting one."""
+    step, skipped = resolve_checkpoint(path)
     try:
         state = json.loads((step / "state.json").read_text())
         if not isinstance(state, dict) or "step" not in state:
             raise ValueError("state.json has no step")
-        if not (step / "trainer.pt").is_file():
-            raise FileNotFoundError("no trainer.pt")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{step}: corrupt or incomplete checkpoint ({type(e).__name__}: {e})") from None
-    return {**state, "path": step}
+    return {**state, "path": step, "skipped": skipped}
 
 
 def load_checkpoint(path: str | Path, trainer: PolicyTrainer) -> dict[str, Any]:
-    """Restore `trainer` from a step dir or a run dir (its latest); returns
+    """Restore `trainer` from a step dir or a run dir (its newest valid one); returns
     read_checkpoint_state(path)."""
     state = read_checkpoint_state(path)
     step = state["path"]
     try:
+        # weights_only: tensors and plain containers only, never arbitrary pickled objects.
         trainer_state = torch.load(step / "trainer.pt", map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated or foreign file fails in many ways; all mean corrupt
+    except Exception as e:  # a foreign file fails in many ways; all mean corrupt
         raise CheckpointError(f"{step}: corrupt or incomplete checkpoint ({type(e).__name__}: {e})") from None
     try:
         trainer.load_state_dict(trainer_state)

@@ -262,19 +262,21 @@ class PolicyTrainer:
 
     # --- training -------------------------------------------------------------------------
 
-    def train_step(self, batch: Batch | dict[str, Any]) -> dict[str, float]:
+    def train_step(self, batch: Batch | dict[str, Any], old_logprobs: list[Tensor] | None = None) -> dict[str, float]:
         """Score the batch, compute advantages, and run ppo_epochs x minibatches optimizer
         steps (micro-batches of trainer.micro_batch_size, gradients accumulated).
 
         Stats are each minibatch's token mean, averaged over the step's minibatches, except
         `ppo/kl` (k3 KL(old || new) on the last minibatch). The old log-probs it computes are
-        kept for `last_old_logprobs()`, to compare with the rollout's without scoring twice.
+        kept for `last_old_logprobs()`, to compare with the rollout's without scoring twice;
+        `old_logprobs`, when given, are those of an earlier `logprobs(sequences, starts)` call
+        (the caller compared them before deciding to update) and are not computed again.
         """
         batch = batch if isinstance(batch, Batch) else Batch(**batch)
         self._check_batch(batch)
         algo = self.algorithm
         seqs, starts = batch.sequences, batch.starts
-        old_list = self.logprobs(seqs, starts)
+        old_list = self.logprobs(seqs, starts) if old_logprobs is None else old_logprobs
         self._last_old_logprobs = old_list
         width = max(t.numel() for t in old_list)
         mask = _pad([torch.ones(t.numel()) for t in old_list], width)

@@ -19,15 +19,13 @@ class TrainerWorker:
         trainer: TrainerConfig, algorithm: AlgorithmConfig, seed: int,
         sampling: Sampling | None = None,
     ) -> None:
-        from trainer.megatron_patches import free_port, init_megatron
+        from trainer.megatron_patches import init_megatron
         from trainer.policy import PolicyTrainer
 
         n = os.cpu_count() or 1  # see rollout.worker._set_threads
         os.environ["OMP_NUM_THREADS"] = str(n)
         torch.set_num_threads(n)
-        # A world of one on this node. The actor inherits the driver's environment, whose
-        # MASTER_PORT may be a port the driver's own process group already listens on.
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        init_world_of_one()
         init_megatron(tp_size=trainer.tensor_parallel_size, seed=seed)
         self.lora = lora
         self.policy = PolicyTrainer(
@@ -79,11 +77,16 @@ class TrainerWorker:
     def logprobs(self, sequences: list[list[int]], starts: list[int], raw: bool = False) -> list[torch.Tensor]:
         return self.policy.logprobs(sequences, starts, raw)
 
-    def train_step(self, batch: dict) -> dict:
-        """The step's stats, and the old-policy log-probs it computed before updating (the
-        driver compares those bit for bit with the rollout log-probs)."""
-        stats = self.policy.train_step(batch)
-        return {"stats": stats, "old_logprobs": self.policy.last_old_logprobs()}
+    def old_logprobs(self, batch: dict) -> list[torch.Tensor]:
+        """The old-policy log-probs of the batch's sampled tokens, before any update: the
+        driver compares them bit for bit with the rollout's and then calls train_step."""
+        return self.policy.logprobs(batch["sequences"], batch["starts"])
+
+    def train_step(self, batch: dict, old_logprobs: list[torch.Tensor]) -> dict:
+        """{"stats", "skipped"}: the update, unless its loss or gradients are not finite;
+        then the trainer's state is restored as it was before the step (adapter, optimizer,
+        RNG) and "skipped" names the non-finite stats."""
+        return guarded_train_step(self.policy, batch, old_logprobs)
 
     def save_checkpoint(self, run_dir: str, step: int, extra: dict, keep: int) -> str:
         from trainer.checkpoint import save_checkpoint
@@ -94,3 +97,33 @@ class TrainerWorker:
         from trainer.checkpoint import load_checkpoint
 
         return load_checkpoint(Path(path), self.policy)
+
+
+def init_world_of_one() -> None:
+    """torch.distributed for this process alone, listening on loopback only: the rendezvous
+    goes through a file (a TCPStore, env:// with MASTER_ADDR, listens on every interface, "::",
+    whatever MASTER_ADDR says), and gloo's own socket is on the loopback interface."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="kimi-rl-store-"), "store"), 1)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=0, world_size=1)
+
+
+def guarded_train_step(policy, batch: dict, old_logprobs: list[torch.Tensor] | None = None) -> dict:
+    """policy.train_step, undone when any of its stats (loss, KL, gradient norm) is NaN or inf:
+    a NaN reaches the parameters through the optimizer before it can be seen in them, so the
+    state is snapshotted first (a copy of the trainable params and optimizer state: small for
+    LoRA; for a full fine-tune it costs that much memory during the step)."""
+    import copy
+    import math
+
+    snapshot = copy.deepcopy(policy.state_dict())
+    stats = policy.train_step(batch, old_logprobs=old_logprobs)
+    bad = sorted(k for k, v in stats.items() if not math.isfinite(v))
+    if bad:
+        policy.load_state_dict(snapshot)
+        return {"stats": stats, "skipped": f"non-finite {', '.join(bad)}"}
+    return {"stats": stats, "skipped": None}

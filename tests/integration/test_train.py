@@ -140,7 +140,7 @@ def test_grpo_resume_is_bitwise(model_factory, tmp_path):
 
 def test_parity_off_shows_a_mismatch(model_factory, tmp_path):
     run_dir = tmp_path / "off"
-    train(_config(model_factory("llama"), run_dir, "parity=false", "total_steps=1"))
+    train(_config(model_factory("llama"), run_dir, "parity.enabled=false", "total_steps=1"))
     (r,) = read_metrics(run_dir)
     assert r["parity/bitwise_equal_fraction"] < 1.0
     assert r["parity/max_abs_diff"] > 0.0

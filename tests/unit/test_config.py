@@ -83,7 +83,7 @@ def test_smollm2_values(model_dir: Path) -> None:
 
 def test_defaults(write) -> None:
     cfg = load_config(write())
-    assert (cfg.seed, cfg.parity, cfg.total_steps) == (0, True, 3)
+    assert (cfg.seed, cfg.parity.enabled, cfg.parity.on_mismatch, cfg.total_steps) == (0, True, "fail", 3)
     assert cfg.trainer.betas == (0.9, 0.999)
     assert cfg.lora.target_modules[-1] == "down_proj" and len(cfg.lora.target_modules) == 7
     assert cfg.sync.hooks == ["checksum", "timing"]
@@ -98,7 +98,9 @@ ERRORS = [
     ("trainer:\n  micro_batch_size: 2.5\n", 5, "trainer.micro_batch_size", "expected an int"),
     ("seed: true\n", 4, "seed", "expected an int, got True"),
     ("logging:\n  project: 7\n", 5, "logging.project", "expected a string, got 7"),
-    ("parity: 1\n", 4, "parity", "expected a bool"),
+    ("parity: false\n", 4, "parity", "expected a mapping, got a bool (write parity.enabled: false)"),
+    ("parity:\n  enabled: 1\n", 5, "parity.enabled", "expected a bool"),
+    ("parity:\n  on_mismatch: ignore\n", 5, "parity.on_mismatch", "expected one of fail, warn"),
     ("rollout:\n  temperature: 0\n", 5, "rollout.temperature", "must be > 0"),
     ("rollout:\n  temperature: 1.0e-6\n", 5, "rollout.temperature",
      "must be >= 1e-05 (below it vLLM samples greedily)"),
@@ -119,7 +121,7 @@ ERRORS = [
     ("lora:\n  dropout: 0.1\n", 5, "lora.dropout", "unknown key"),
     ("logging:\n  log_every: 2\n", 5, "logging.log_every", "unknown key"),
     ("lora:\n  target_modules: []\n", 5, "lora.target_modules", "is empty"),
-    ("algorithm:\n  is_correction: tis\n", 5, "algorithm.is_correction", "parity: false"),
+    ("algorithm:\n  is_correction: tis\n", 5, "algorithm.is_correction", "parity.enabled: false"),
     ("algorithm:\n  name: ppo\n  vf_coef: 0\n", 6, "algorithm.vf_coef", "needs a critic"),
     ("rollout:\n  samples_per_prompt: 1\n", 5, "rollout.samples_per_prompt",
      "must be >= 2 for algorithm.name grpo"),
@@ -151,7 +153,7 @@ def test_errors_name_file_line_and_key(write, body: str, line: int, key: str, ph
 def test_is_correction_error_names_both_keys(write) -> None:
     message = error(write("algorithm:\n  is_correction: mis\n"))
     assert "algorithm.is_correction" in message and "parity" in message
-    cfg = load_config(write("parity: false\nalgorithm:\n  is_correction: mis\n"))
+    cfg = load_config(write("parity:\n  enabled: false\nalgorithm:\n  is_correction: mis\n"))
     assert cfg.algorithm.is_correction == "mis"
 
 
@@ -274,7 +276,7 @@ def test_relative_paths_resolve_against_cwd(tmp_path: Path, monkeypatch) -> None
 
 def test_round_trip(write, tmp_path: Path) -> None:
     cfg = load_config(write(), [
-        "parity=false", "algorithm.name=ppo", "algorithm.is_correction=tis",
+        "parity.enabled=false", "parity.on_mismatch=warn", "algorithm.name=ppo", "algorithm.is_correction=tis",
         "algorithm.critic_lr=3e-5", "trainer.betas=[0.8, 0.95]", "data.task_kwargs={a: [1, 2]}",
         "ray.num_cpus=2", "lora.target_modules=[o_proj]", "logging.project=päth",
     ])
