@@ -370,14 +370,14 @@ def _check(cfg: Config, sources: _Sources) -> None:
         if not cfg.parity.enabled:
             raise err("parity.enabled", "must be true for kimi-mini: its KDA / MLA / MoE layers exist only "
                       "as parity implementations (there is no stock vLLM / Megatron version)")
-    elif not cfg.parity:
+    elif not cfg.parity.enabled:
         from parity.model_spec import load_spec
         from rollout.engine import check_stock_engine
 
         try:
             check_stock_engine(load_spec(model_dir))
         except ValueError as e:
-            raise err("parity", f"is false, but stock vLLM cannot run {model_dir}: {e}") from None
+            raise err("parity.enabled", f"is false, but stock vLLM cannot run {model_dir}: {e}") from None
     if architectures[0] != "KimiMiniForCausalLM" and cfg.lora.enabled:
         for module in cfg.lora.target_modules:
             if module in KIMI_ONLY_LORA_MODULES:
