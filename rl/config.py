@@ -375,7 +375,12 @@ def _check(cfg: Config, sources: _Sources) -> None:
         from rollout.engine import check_stock_engine
 
         try:
-            check_stock_engine(load_spec(model_dir))
+            spec = load_spec(model_dir)
+        except (OSError, ValueError, KeyError, TypeError):
+            spec = None  # not a model this toolkit builds: validate_model_dir says why
+        try:
+            if spec is not None:
+                check_stock_engine(spec)
         except ValueError as e:
             raise err("parity.enabled", f"is false, but stock vLLM cannot run {model_dir}: {e}") from None
     if architectures[0] != "KimiMiniForCausalLM" and cfg.lora.enabled:
