@@ -7,13 +7,17 @@ from collections.abc import Callable
 import torch
 
 from parity import kernels
+from parity.sampling import Sampling, processed_logits
 
 
 def batched_logprobs(
     logits_fn: Callable[[torch.Tensor], torch.Tensor], sequences: list[list[int]], starts: list[int],
-    batch_size: int = 8,
+    batch_size: int = 8, sampling: Sampling | None = None,
 ) -> list[torch.Tensor]:
     """For each sequence, log p(seq[i] | seq[:i]) for i in [start, len): float32 [len - start].
+
+    p is the distribution `sampling` samples from (parity.sampling: vLLM's processed
+    log-probs), or the raw softmax when `sampling` is None.
 
     `logits_fn(ids [B, S]) -> logits [B, S, V]` runs one right-padded batch. Sequences are
     batched by length (results come back in the given order); causal attention keeps padding
@@ -28,9 +32,11 @@ def batched_logprobs(
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         for row, r in enumerate(rows):
             ids[row, : len(sequences[r])] = torch.tensor(sequences[r])
-        logits = logits_fn(ids)
+        logits = logits_fn(ids)[:, :-1]
+        if sampling is not None:
+            logits = processed_logits(logits, sampling)
         ids = ids.to(logits.device)
-        logp = kernels.token_logprobs(logits[:, :-1], ids[:, 1:])  # position j scores token j+1
+        logp = kernels.token_logprobs(logits, ids[:, 1:])  # position j scores token j+1
         for row, r in enumerate(rows):
             out[r] = logp[row, starts[r] - 1 : len(sequences[r]) - 1].float().cpu()
     return out  # type: ignore[return-value]

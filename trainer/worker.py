@@ -1,5 +1,6 @@
 """The trainer as a Ray actor: a PolicyTrainer (Megatron model + LoRA + optimizer) in its own
-process, with torch.distributed (gloo on the CPU, NCCL on GPUs) and Megatron's parallel state."""
+process, with torch.distributed (gloo on the CPU, NCCL on GPUs) and Megatron's parallel state;
+`trainer_worker` picks the actor class of a backend (deepspeed: trainer.deepspeed_worker)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,14 @@ class TrainerWorker:
         from trainer.checkpoint import load_checkpoint
 
         return load_checkpoint(Path(path), self.policy)
+
+
+def trainer_worker(backend: str) -> type:
+    """The actor class of `trainer.backend` (both offer the calls the loop makes)."""
+    if backend == "deepspeed":
+        from trainer.deepspeed_worker import DeepSpeedTrainerWorker
+
+        return DeepSpeedTrainerWorker
+    if backend != "megatron":
+        raise ValueError(f"trainer.backend must be megatron or deepspeed, got {backend!r}")
+    return TrainerWorker
