@@ -223,3 +223,23 @@ class DeepSpeedModel:
         if path is None:
             raise ValueError(f"{directory}: no DeepSpeed checkpoint (tag 'deepspeed')")
         return client_state
+
+
+def scoring_model(
+    model_dir: str | Path, dtype: str, zero_stage: int = 2,
+    adapter: tuple[dict[str, torch.Tensor], int, float, list[str]] | None = None,
+) -> DeepSpeedModel:
+    """The deepspeed backend's model for re-scoring (`kimi-rl parity check --trainer
+    deepspeed`): the HF parity model, with `adapter` (peft tensors, rank, alpha, targets)
+    attached through peft, inside a DeepSpeed engine of ZeRO stage `zero_stage` on this rank."""
+    from parity.model_spec import load_spec
+    from trainer import hf_lora
+    from trainer.hf_model import load_hf_model
+
+    model = load_hf_model(model_dir, dtype)
+    if adapter is not None:
+        tensors, rank, alpha, targets = adapter
+        model = hf_lora.apply_lora(model, load_spec(model_dir), rank, alpha, list(targets))
+        hf_lora.load_peft_state_dict(model, tensors)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return DeepSpeedModel(model.eval(), [{"params": trainable}], EngineSettings(zero_stage=zero_stage), dtype)
