@@ -196,6 +196,14 @@ class DeepSpeedModel:
         """One optimizer step on the accumulated gradients (clipped by DeepSpeed to
         gradient_clipping); returns the global gradient norm before clipping."""
         self.engine.set_gradient_accumulation_boundary(True)
+        if self.zero_stage == 0 and not self.config["bf16"]["enabled"]:
+            # DeepSpeed 0.19.8 clips an fp32 model without ZeRO through its clip_grad_norm_
+            # and drops the norm (get_global_grad_norm() stays None): take it here, from the
+            # gradients already averaged over the ranks.
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            self.engine.step()
+            return norm
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
