@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 TIMING = ("time/", "sync/seconds")  # wall-clock values: everything else must repeat exactly
 SMALL = ["logging.wandb=disabled", "logging.console=false", "logging.plot=false",
-         "data.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_tokens=8",
+         "data.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=6",
          "trainer.backend=deepspeed", "trainer.deepspeed.zero_stage=2", "trainer.deepspeed.ranks=2"]
 
 
@@ -95,8 +95,8 @@ def test_resume_on_deepspeed_is_bitwise(straight, model_factory, tmp_path):
 def test_parity_check_with_the_deepspeed_trainer(model_factory, tmp_path, arch, dtype, stage):
     report = tmp_path / "report"
     code = main(["parity", "check", "--model", model_factory(arch, dtype), "--dtype", dtype,
-                 "--trainer", "deepspeed", "--zero-stage", str(stage), "--num-prompts", "4",
-                 "--max-tokens", "8", "--batch-sizes", "1,4", "--report", str(report)])
+                 "--trainer", "deepspeed", "--zero-stage", str(stage), "--num-prompts", "3",
+                 "--max-tokens", "6", "--batch-sizes", "1,3", "--report", str(report)])
     result = json.loads((report / "report.json").read_text())
     assert result["trainer"] == "deepspeed"
     assert result["tokens_compared"] > 0
