@@ -171,12 +171,16 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
     # --- training: this rank's share, DeepSpeed's step ---------------------------------------
 
     def _micro_batches(self, rows: list[int]) -> list[list[int]]:
-        """This rank's micro-batches: every rank gets as many (ZeRO reduces inside backward),
-        and one rank alone runs exactly trainer.policy's micro-batches."""
+        """This rank's micro-batches: every rank gets as many, none empty (ZeRO reduces inside
+        backward), and one rank alone runs exactly trainer.policy's micro-batches. When the
+        rows cannot give every rank as many micro-batches of at most micro_batch_size (3 rows,
+        size 1, 2 ranks), some get one row more."""
         chunks = _chunks(rows, self.config.micro_batch_size)
         n = self.world_size
         if len(chunks) % n:
-            count = -(-len(chunks) // n) * n  # rounded up to a multiple of the rank count
+            # Rounded up to a multiple of the rank count, but no more micro-batches than rows
+            # (the config check keeps ranks <= rows).
+            count = min(-(-len(chunks) // n) * n, len(rows) // n * n)
             size, extra = divmod(len(rows), count)
             bounds = [i * size + min(i, extra) for i in range(count + 1)]
             chunks = [rows[bounds[i] : bounds[i + 1]] for i in range(count)]

@@ -130,3 +130,30 @@ def test_bad_deepspeed_settings_fail_before_ray(model_factory, tmp_path, capsys,
         assert w in err
     assert not ray.is_initialized()
     assert not (tmp_path / "r").exists()
+
+
+def test_every_rank_gets_as_many_micro_batches():
+    """ZeRO reduces inside backward, so every rank must run as many micro-batches, none empty;
+    together they cover the minibatch once, in order, none above micro_batch_size where the
+    rows allow it; one rank alone runs trainer.policy's own micro-batches."""
+    from types import SimpleNamespace
+
+    from trainer.deepspeed_policy import DeepSpeedPolicyTrainer
+    from trainer.policy import _chunks
+
+    for n in (1, 2, 3):
+        for size in range(n, 21):
+            for mbs in (1, 3, 8):
+                rows = list(range(100, 100 + size))
+                shares = [DeepSpeedPolicyTrainer._micro_batches(SimpleNamespace(
+                    config=SimpleNamespace(micro_batch_size=mbs), world_size=n, rank=r), rows)
+                    for r in range(n)]
+                assert len({len(s) for s in shares}) == 1
+                chunks = [c for i in range(len(shares[0])) for c in (s[i] for s in shares)]
+                assert [r for c in chunks for r in c] == rows
+                assert all(len(c) >= 1 for c in chunks)
+                needed = -(-size // mbs)  # micro-batches of at most mbs rows
+                if -(-needed // n) * n <= size:  # as many on every rank, none empty: possible
+                    assert all(len(c) <= mbs for c in chunks)
+                if n == 1:
+                    assert shares[0] == _chunks(rows, mbs)
