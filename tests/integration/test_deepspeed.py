@@ -7,8 +7,9 @@ model under DeepSpeed ZeRO-2 on 2 data-parallel ranks (gloo).
 - Resume: the run's step-2 checkpoint (DeepSpeed's ZeRO partitions of both ranks + the peft
   adapter), copied into a fresh run dir and resumed to step 4 with `--resume`, gives the
   uninterrupted run's steps 3 and 4 and final adapter bit for bit.
-- `kimi-rl parity check --trainer deepspeed`: bitwise on tiny Llama and Qwen3, fp32 and bf16
-  (one vLLM engine each; one case under ZeRO-3, whose parameters are gathered per module).
+- `kimi-rl parity check --trainer deepspeed`: bitwise on tiny Llama (with the run's trained
+  adapter) and Qwen3, fp32 and bf16 (one vLLM engine each; one case under ZeRO-3, whose
+  parameters are gathered per module).
 - Bad deepspeed settings fail before Ray starts, naming the file, line and key.
 """
 
@@ -89,16 +90,20 @@ def test_resume_on_deepspeed_is_bitwise(straight, model_factory, tmp_path):
     assert all(torch.equal(ad_a[k], ad_b[k]) for k in ad_a)
 
 
-@pytest.mark.parametrize("arch,dtype,stage", [
-    ("llama", "fp32", 2), ("llama", "bf16", 2), ("qwen3", "fp32", 2), ("qwen3", "bf16", 3),
+@pytest.mark.parametrize("arch,dtype,stage,adapter", [
+    ("llama", "fp32", 2, True), ("llama", "bf16", 2, True), ("qwen3", "fp32", 2, False),
+    ("qwen3", "bf16", 3, False),
 ])
-def test_parity_check_with_the_deepspeed_trainer(model_factory, tmp_path, arch, dtype, stage):
+def test_parity_check_with_the_deepspeed_trainer(straight, model_factory, tmp_path, arch, dtype, stage, adapter):
+    """Llama with the adapter the quickstart run trained (peft on the HF model, cast to bf16 by
+    DeepSpeed's bf16 mode on that side and by the checker on vLLM's), Qwen3 without."""
     report = tmp_path / "report"
+    flags = ["--adapter", str(straight / "checkpoints" / "step_000004" / "adapter")] if adapter else []
     code = main(["parity", "check", "--model", model_factory(arch, dtype), "--dtype", dtype,
                  "--trainer", "deepspeed", "--zero-stage", str(stage), "--num-prompts", "3",
-                 "--max-tokens", "6", "--batch-sizes", "1,3", "--report", str(report)])
+                 "--max-tokens", "6", "--batch-sizes", "1,3", "--report", str(report), *flags])
     result = json.loads((report / "report.json").read_text())
-    assert result["trainer"] == "deepspeed"
+    assert result["trainer"] == "deepspeed" and (result["adapter"] is not None) == adapter
     assert result["tokens_compared"] > 0
     assert result["bitwise_equal_fraction"] == 1.0 and result["passed"]
     assert code == 0
