@@ -418,8 +418,7 @@ def _check_deepspeed(cfg: Config, sources: _Sources, architecture: str) -> None:
     if ds.ranks > rows:
         raise err("trainer.deepspeed.ranks", f"is {ds.ranks}, but a minibatch has {rows} "
                   "sequences: every rank needs at least one")
-    settings = EngineSettings(zero_stage=ds.zero_stage, config_path=ds.config,
-                              optimizer=cfg.trainer.optimizer, extensions_dir=cfg.run_dir)
+    settings = EngineSettings(zero_stage=ds.zero_stage, config_path=ds.config, optimizer=cfg.trainer.optimizer)
     try:
         deepspeed_config(settings, cfg.model.dtype)
     except ValueError as e:
