@@ -369,16 +369,13 @@ def _attach_adapter(model, spec, adapter) -> None:
 def score_deepspeed(
     args: CheckArgs, sequences: list[list[int]], starts: list[int], adapter=None
 ) -> list[torch.Tensor]:
-    """Re-score with the deepspeed backend's model (one rank, gloo) in the Megatron path's
-    grouping (8 sequences a batch)."""
-    import torch.distributed as dist
-
+    """Re-score with the deepspeed backend's model (one rank, gloo; DeepSpeed adopts a process
+    group that is already up) in the Megatron path's grouping (8 sequences a batch)."""
     from trainer.deepspeed_engine import init_distributed, scoring_model
     from trainer.hf_model import sequence_logprobs
     from trainer.megatron_patches import free_port
 
-    if not dist.is_initialized():
-        init_distributed(0, 1, free_port())
+    init_distributed(0, 1, free_port())
     model = scoring_model(args.model, args.dtype, args.zero_stage, adapter)
     with torch.no_grad():
         return sequence_logprobs(model.engine, sequences, starts, 8, args.sampling)

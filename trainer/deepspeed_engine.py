@@ -55,10 +55,19 @@ class EngineSettings:
 
 
 def _quiet() -> None:
+    """DeepSpeed's accelerator, log level and comm backend set up for kimi-rl (before any
+    deepspeed.init_distributed, ours or the one deepspeed.initialize makes)."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    import importlib
+
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
+    # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op when its comm backend
+    # starts (~30 s, a C++ compiler, a kernel chosen by the CPU's ISA) that only its inference
+    # all-reduce uses; ZeRO's collectives go through torch.distributed. Not built, not used.
+    # (deepspeed.comm's attribute "torch" is the torch package, hence import_module.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def init_distributed(rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1") -> None:
@@ -68,15 +77,8 @@ def init_distributed(rank: int, world_size: int, master_port: int, master_addr: 
         WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
     )
     _quiet()
-    import importlib
-
     import deepspeed
 
-    # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op when the process group
-    # starts (~30 s, a C++ compiler, a kernel chosen by the CPU's ISA) that only its inference
-    # all-reduce uses; ZeRO's collectives go through torch.distributed. Not built, not used.
-    # (deepspeed.comm's attribute "torch" is the torch package, hence import_module.)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
