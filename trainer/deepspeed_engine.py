@@ -22,6 +22,7 @@ import copy
 import json
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,10 @@ def _quiet() -> None:
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
+    # deepspeed 0.19.8's ZeRO calls torch.distributed collectives that torch 2.13 deprecates
+    # (a FutureWarning on every ZeRO-3 gather): DeepSpeed's to change, not the user's.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                            category=FutureWarning)
     # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op when its comm backend
     # starts (~30 s, a C++ compiler, a kernel chosen by the CPU's ISA) that only its inference
     # all-reduce uses; ZeRO's collectives go through torch.distributed. Not built, not used.
