@@ -1,4 +1,5 @@
-"""`kimi-rl parity check`: sample in vLLM, re-score the same tokens in Megatron, compare.
+"""`kimi-rl parity check`: sample in vLLM, re-score the same tokens in Megatron (or, with
+`--trainer deepspeed`, in the deepspeed backend's HF parity model under ZeRO), compare.
 
 Flow: validate every input before any engine starts; sample completions for each batch size
 with one vLLM engine (engine-seeded; temperature / top-p / top-k from the flags, default 1 / off /
@@ -57,6 +58,8 @@ class CheckArgs:
     adapter: Path | None = None  # a peft LoRA adapter directory, applied on both sides
     sampling: Sampling = Sampling()  # what vLLM samples from; both sides score that distribution
     cuda_graphs: bool = False  # vLLM's default mode (torch.compile + CUDA graphs) instead of eager
+    trainer: str = "megatron"  # the trainer backend that re-scores: megatron | deepspeed
+    zero_stage: int = 2  # deepspeed's ZeRO stage
 
 
 def load_adapter(path: Path) -> tuple[dict[str, torch.Tensor], int, float, list[str]]:
@@ -113,6 +116,10 @@ def add_parity_commands(subparsers) -> None:
         help="on: vLLM's default mode (torch.compile and CUDA graphs where the model and backend"
         " allow them; GPU only); off: eager (default)",
     )
+    check.add_argument("--trainer", choices=["megatron", "deepspeed"], default="megatron",
+                       help="trainer backend that re-scores: Megatron, or the HF model under DeepSpeed")
+    check.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=2,
+                       help="ZeRO stage of --trainer deepspeed, default 2")
     check.set_defaults(func=run_check_command)
 
 
@@ -212,6 +219,10 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
     except ValueError as e:  # "top_p must be in (0, 1], got 2.0" -> "--top-p must be ..."
         flag, _, rest = str(e).partition(" ")
         raise UserError(f"--{flag.replace('_', '-')} {rest}") from None
+    trainer = getattr(ns, "trainer", "megatron")
+    if trainer == "deepspeed" and (ns.parity != "on" or tp_size > 1):
+        raise UserError("--trainer deepspeed re-scores with the HF parity model: it needs "
+                        "--parity on and --tensor-parallel-size 1")
     report = Path(ns.report) if ns.report else None
     if report is not None and report.exists() and not report.is_dir():
         raise UserError(f"--report: {report} exists and is not a directory")
@@ -221,6 +232,7 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         parity=ns.parity == "on", seed=ns.seed, report=report,
         max_num_batched_tokens=ns.max_num_batched_tokens, tensor_parallel_size=tp_size,
         adapter=adapter, sampling=sampling, cuda_graphs=getattr(ns, "cuda_graphs", "off") == "on",
+        trainer=trainer, zero_stage=getattr(ns, "zero_stage", 2),
     )
 
 
@@ -314,7 +326,12 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
 
     t1 = time.perf_counter()
     completions = [c for bs in args.batch_sizes for c in samples[bs]]
-    if args.tensor_parallel_size > 1:
+    if args.trainer == "deepspeed":
+        train_logprobs = score_deepspeed(
+            args, [c.prompt_ids + c.token_ids for c in completions], [len(c.prompt_ids) for c in completions],
+            adapter,
+        )
+    elif args.tensor_parallel_size > 1:
         train_logprobs = score_tensor_parallel(
             args, [c.prompt_ids + c.token_ids for c in completions], [len(c.prompt_ids) for c in completions],
             adapter,
@@ -358,6 +375,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
         "tensor_parallel_size": args.tensor_parallel_size,
         "adapter": str(args.adapter) if args.adapter else None,
         "sampling": dataclasses.asdict(args.sampling),
+        "trainer": args.trainer,
         **total.to_dict(),
         "passed": total.all_equal,
         "per_batch_size": per_bs,
@@ -372,6 +390,21 @@ def _attach_adapter(model, spec, adapter) -> None:
     tensors, lora_rank, alpha, targets = adapter
     apply_lora(model, spec, lora_rank, alpha, list(targets))
     load_peft_state_dict(model, tensors)
+
+
+def score_deepspeed(
+    args: CheckArgs, sequences: list[list[int]], starts: list[int], adapter=None
+) -> list[torch.Tensor]:
+    """Re-score with the deepspeed backend's model (one rank, gloo; DeepSpeed adopts a process
+    group that is already up) in the Megatron path's grouping (8 sequences a batch)."""
+    from trainer.deepspeed_engine import init_distributed, scoring_model
+    from trainer.hf_model import sequence_logprobs
+    from trainer.megatron_patches import free_port
+
+    init_distributed(0, 1, free_port())
+    model = scoring_model(args.model, args.dtype, args.zero_stage, adapter)
+    with torch.no_grad():
+        return sequence_logprobs(model.engine, sequences, starts, 8, args.sampling)
 
 
 def _score_rank(

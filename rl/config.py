@@ -388,6 +388,8 @@ def _check(cfg: Config, sources: _Sources) -> None:
             if module in KIMI_ONLY_LORA_MODULES:
                 raise err("lora.target_modules", f"{module!r} exists in kimi-mini's MLA layers only, "
                           f"not in {architectures[0]}")
+    if cfg.trainer.backend == "deepspeed":
+        _check_deepspeed(cfg, sources, architectures[0])
     if cfg.algorithm.is_correction != "none" and cfg.parity.enabled:
         raise err("algorithm.is_correction", f"{cfg.algorithm.is_correction!r} needs "
                   "parity.enabled: false (with parity the two sides' log-probs match: nothing to correct)")
@@ -423,6 +425,29 @@ def _check(cfg: Config, sources: _Sources) -> None:
             _importable(hook, f"sync.hooks[{i}]", sources)
     if cfg.checkpoint.resume_from is not None and not Path(cfg.checkpoint.resume_from).exists():
         raise err("checkpoint.resume_from", f"no such checkpoint: {cfg.checkpoint.resume_from}")
+
+
+def _check_deepspeed(cfg: Config, sources: _Sources, architecture: str) -> None:
+    """trainer.backend deepspeed: the HF parity model (dense Llama / Qwen3) under ZeRO; the
+    user's DeepSpeed JSON is read and checked now, before any work starts."""
+    from trainer.deepspeed_engine import EngineSettings, deepspeed_config
+
+    err, ds = sources.error, cfg.trainer.deepspeed
+    if architecture == "KimiMiniForCausalLM":
+        raise err("trainer.backend", "deepspeed trains HF transformers models (Llama, Qwen3); "
+                  "kimi-mini has none: use trainer.backend megatron")
+    if not cfg.parity.enabled:
+        raise err("trainer.backend", "deepspeed trains the HF parity model only: it needs "
+                  "parity.enabled: true")
+    rows = cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.algorithm.minibatches
+    if ds.ranks > rows:
+        raise err("trainer.deepspeed.ranks", f"is {ds.ranks}, but a minibatch has {rows} "
+                  "sequences: every rank needs at least one")
+    settings = EngineSettings(zero_stage=ds.zero_stage, config_path=ds.config, optimizer=cfg.trainer.optimizer)
+    try:
+        deepspeed_config(settings, cfg.model.dtype)
+    except ValueError as e:
+        raise err("trainer.deepspeed.config", str(e)) from None
 
 
 def _importable(spec: str, key: str, sources: _Sources) -> None:

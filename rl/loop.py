@@ -114,13 +114,15 @@ class Run:
 
         from rl.cluster import placement_group
         from rollout.worker import RolloutWorker
-        from trainer.worker import TrainerWorker
+        from trainer.worker import trainer_worker
 
         self.pg = placement_group(n, use_gpus=False)
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
-        env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"}}
+        env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING",
+                            # JIT-built C++ ops (deepspeed_cpu_adam) are cached in the run dir.
+                            "TORCH_EXTENSIONS_DIR": str(Path(cfg.run_dir) / "torch_extensions")}}
         self.trainer = (
-            ray.remote(TrainerWorker)
+            ray.remote(trainer_worker(cfg.trainer.backend))
             .options(num_cpus=1, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=n),
                      runtime_env=env)
             .remote(

@@ -1,5 +1,6 @@
-"""The config sections the trainer owns: `trainer:` (optimizer, batching, TP), `lora:`,
-`algorithm:` (the PPO / GRPO / RLOO step, trainer/ppo.py) and `checkpoint:`."""
+"""The config sections the trainer owns: `trainer:` (backend, optimizer, batching, TP,
+`trainer.deepspeed:`), `lora:`, `algorithm:` (the PPO / GRPO / RLOO step, trainer/ppo.py) and
+`checkpoint:`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,22 @@ KIMI_ONLY_LORA_MODULES = tuple(t for t in LORA_MODULES if t not in DENSE_LORA_TA
 
 
 @dataclass
+class DeepSpeedConfig:
+    """The deepspeed backend (trainer.deepspeed_engine): the HF parity model under ZeRO."""
+
+    zero_stage: int = setting(2, ge=0, le=3)
+    # A user's DeepSpeed JSON (ZeRO / offload / communication sections); its
+    # zero_optimization.stage wins over zero_stage. Checked when the config loads.
+    config: str | None = setting(None, path=True)
+    ranks: int = setting(1, ge=1)  # data-parallel trainer ranks (processes; gloo on the CPU)
+
+
+@dataclass
 class TrainerConfig:
+    # megatron: Megatron-core GPTModel (trainer.policy); deepspeed: the HF transformers model
+    # under DeepSpeed ZeRO (trainer.deepspeed_policy). Both compute through the parity kernels.
+    backend: Literal["megatron", "deepspeed"] = "megatron"
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     tensor_parallel_size: int = setting(1, ge=1)
     optimizer: Literal["adamw", "deepspeed_cpu_adam"] = "adamw"
     lr: float = setting(1e-4, gt=0)

@@ -22,6 +22,7 @@ import copy
 import json
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,23 @@ class EngineSettings:
 
 
 def _quiet() -> None:
+    """DeepSpeed's accelerator, log level and comm backend set up for kimi-rl (before any
+    deepspeed.init_distributed, ours or the one deepspeed.initialize makes)."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    import importlib
+
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
+    # deepspeed 0.19.8's ZeRO calls torch.distributed collectives that torch 2.13 deprecates
+    # (a FutureWarning on every ZeRO-3 gather): DeepSpeed's to change, not the user's.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
+                            category=FutureWarning)
+    # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op when its comm backend
+    # starts (~30 s, a C++ compiler, a kernel chosen by the CPU's ISA) that only its inference
+    # all-reduce uses; ZeRO's collectives go through torch.distributed. Not built, not used.
+    # (deepspeed.comm's attribute "torch" is the torch package, hence import_module.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def init_distributed(rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1") -> None:
@@ -68,15 +82,8 @@ def init_distributed(rank: int, world_size: int, master_port: int, master_addr: 
         WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
     )
     _quiet()
-    import importlib
-
     import deepspeed
 
-    # DeepSpeed's CPU backend JIT-builds a shared-memory all-reduce op when the process group
-    # starts (~30 s, a C++ compiler, a kernel chosen by the CPU's ISA) that only its inference
-    # all-reduce uses; ZeRO's collectives go through torch.distributed. Not built, not used.
-    # (deepspeed.comm's attribute "torch" is the torch package, hence import_module.)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
@@ -196,6 +203,14 @@ class DeepSpeedModel:
         """One optimizer step on the accumulated gradients (clipped by DeepSpeed to
         gradient_clipping); returns the global gradient norm before clipping."""
         self.engine.set_gradient_accumulation_boundary(True)
+        if self.zero_stage == 0 and not self.config["bf16"]["enabled"]:
+            # DeepSpeed 0.19.8 clips an fp32 model without ZeRO through its clip_grad_norm_
+            # and drops the norm (get_global_grad_norm() stays None): take it here, from the
+            # gradients already averaged over the ranks.
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            self.engine.step()
+            return norm
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
@@ -223,3 +238,23 @@ class DeepSpeedModel:
         if path is None:
             raise ValueError(f"{directory}: no DeepSpeed checkpoint (tag 'deepspeed')")
         return client_state
+
+
+def scoring_model(
+    model_dir: str | Path, dtype: str, zero_stage: int = 2,
+    adapter: tuple[dict[str, torch.Tensor], int, float, list[str]] | None = None,
+) -> DeepSpeedModel:
+    """The deepspeed backend's model for re-scoring (`kimi-rl parity check --trainer
+    deepspeed`): the HF parity model, with `adapter` (peft tensors, rank, alpha, targets)
+    attached through peft, inside a DeepSpeed engine of ZeRO stage `zero_stage` on this rank."""
+    from parity.model_spec import load_spec
+    from trainer import hf_lora
+    from trainer.hf_model import load_hf_model
+
+    model = load_hf_model(model_dir, dtype)
+    if adapter is not None:
+        tensors, rank, alpha, targets = adapter
+        model = hf_lora.apply_lora(model, load_spec(model_dir), rank, alpha, list(targets))
+        hf_lora.load_peft_state_dict(model, tensors)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return DeepSpeedModel(model.eval(), [{"params": trainable}], EngineSettings(zero_stage=zero_stage), dtype)

@@ -44,6 +44,7 @@ from torch import nn
 from parity import kernels, layouts
 from parity.lora import FUSED_PARTS, fused_delta, part_shapes
 from parity.model_spec import KimiSpec, ModelSpec, load_spec
+from parity.sampling import Sampling
 from parity.scoring import batched_logprobs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -227,7 +228,9 @@ def forward_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_logprobs(
-    model: nn.Module, sequences: list[list[int]], starts: list[int], batch_size: int = 8
+    model: nn.Module, sequences: list[list[int]], starts: list[int], batch_size: int = 8,
+    sampling: Sampling | None = None,
 ) -> list[torch.Tensor]:
-    """log p(seq[i] | seq[:i]) for i in [start, len) per sequence, float32 (parity.scoring)."""
-    return batched_logprobs(lambda ids: forward_logits(model, ids), sequences, starts, batch_size)
+    """log p(seq[i] | seq[:i]) for i in [start, len) per sequence, float32, of the distribution
+    `sampling` samples from (raw softmax: None); parity.scoring."""
+    return batched_logprobs(lambda ids: forward_logits(model, ids), sequences, starts, batch_size, sampling)

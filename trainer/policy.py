@@ -366,7 +366,8 @@ class PolicyTrainer:
         algo = self.algorithm
         total_tokens = t["mask"][rows].sum().clamp_min(1.0)
         acc: dict[str, float] = defaultdict(float)
-        for micro_rows in _chunks(rows, self.config.micro_batch_size):
+        micro_batches = self._micro_batches(rows)
+        for i, micro_rows in enumerate(micro_batches):
             mb = _micro(batch.sequences, batch.starts, micro_rows)
             width = mb.index.shape[1]
             m = {k: None if v is None else v[micro_rows, :width] for k, v in t.items()}
@@ -397,12 +398,21 @@ class PolicyTrainer:
                 loss = loss + algo.vf_coef * vloss
                 parts["critic/value_loss"] = vloss.detach()
                 parts["critic/vf_clipfrac"] = v_stats["vf_clipfrac"]
-            (loss * weight).backward()
-            self._accumulate_master_grads()
+            self._backward(loss * weight, last=i == len(micro_batches) - 1)
             for k, v in parts.items():
                 acc[k] += float(v) * weight.item()
         acc.update(self._optimizer_step())
         return acc
+
+    def _micro_batches(self, rows: list[int]) -> list[list[int]]:
+        """The micro-batches of a minibatch that this trainer runs (a data-parallel backend
+        runs its rank's share)."""
+        return _chunks(rows, self.config.micro_batch_size)
+
+    def _backward(self, loss: Tensor, last: bool) -> None:
+        """Accumulate one micro-batch's gradients; `last`: the minibatch's last micro-batch."""
+        loss.backward()
+        self._accumulate_master_grads()
 
     def _accumulate_master_grads(self) -> None:
         # A bf16 model's gradients move to the fp32 masters after every micro-batch, so that

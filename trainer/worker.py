@@ -1,5 +1,6 @@
 """The trainer as a Ray actor: a PolicyTrainer (Megatron model + LoRA + optimizer) in its own
-process, with torch.distributed (gloo on the CPU, NCCL on GPUs) and Megatron's parallel state."""
+process, with torch.distributed (gloo on the CPU, NCCL on GPUs) and Megatron's parallel state;
+`trainer_worker` picks the actor class of a backend (deepspeed: trainer.deepspeed_worker)."""
 
 from __future__ import annotations
 
@@ -127,3 +128,14 @@ def guarded_train_step(policy, batch: dict, old_logprobs: list[torch.Tensor] | N
         policy.load_state_dict(snapshot)
         return {"stats": stats, "skipped": f"non-finite {', '.join(bad)}"}
     return {"stats": stats, "skipped": None}
+
+
+def trainer_worker(backend: str) -> type:
+    """The actor class of `trainer.backend` (both offer the calls the loop makes)."""
+    if backend == "deepspeed":
+        from trainer.deepspeed_worker import DeepSpeedTrainerWorker
+
+        return DeepSpeedTrainerWorker
+    if backend != "megatron":
+        raise ValueError(f"trainer.backend must be megatron or deepspeed, got {backend!r}")
+    return TrainerWorker

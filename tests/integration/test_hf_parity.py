@@ -3,8 +3,8 @@ tokens bit for bit like the Megatron parity model (and so like vLLM), on tiny Ll
 embeddings) and Qwen3 (q/k norm), fp32 and bf16, with and without a peft LoRA adapter.
 
 Teacher-forced scoring of random token sequences of 2..130 tokens, batched (grouped by length,
-right-padded) and one at a time, compared with torch.equal. One test samples in real vLLM and
-re-scores with the HF model directly.
+right-padded) and one at a time, compared with torch.equal. Real vLLM samples re-scored by this
+model inside DeepSpeed: tests/integration/test_deepspeed.py (`parity check --trainer deepspeed`).
 """
 
 from __future__ import annotations
@@ -112,28 +112,3 @@ def test_only_adapter_tensors_get_gradients(model_factory):
         assert (p.grad is not None) == (id(p) in adapter), name
     # B = 0 at init, so A's gradient is 0 too; B's is not.
     assert all(p.grad.abs().sum() > 0 for n, p in hf_lora.adapter_parameters(hf) if ".lora_B." in n)
-
-
-def test_vllm_samples_score_bitwise_on_the_hf_model(model_factory):
-    """Real vLLM (parity model, LoRA adapter on) samples; the HF model with the same peft
-    adapter re-scores exactly those tokens: every log-prob torch.equal."""
-    from rollout.engine import RolloutEngine
-    from trainer import hf_lora
-    from trainer.hf_model import load_hf_model
-    from trainer.hf_model import sequence_logprobs as hf_logprobs
-
-    model_dir, dtype = model_factory("llama", "bf16"), "bf16"
-    spec = load_spec(model_dir)
-    hf = hf_lora.apply_lora(load_hf_model(model_dir, dtype), spec, RANK, ALPHA, list(TARGETS)).eval()
-    hf_lora.load_peft_state_dict(hf, _trained_adapter(hf_lora.peft_state_dict(hf)))
-    seqs, _ = _sequences()
-    prompts = [s[: max(1, len(s) // 2)] for s in seqs]
-    with RolloutEngine(model_dir, dtype=dtype, seed=0, max_model_len=256, max_num_seqs=8,
-                       max_num_batched_tokens=64) as engine:
-        engine.set_adapter(hf_lora.rollout_tensors(hf), ALPHA / RANK)
-        completions = engine.generate(prompts, max_tokens=8)
-    with torch.no_grad():
-        scored = hf_logprobs(hf, [c.prompt_ids + c.token_ids for c in completions],
-                             [len(c.prompt_ids) for c in completions])
-    assert sum(len(c.token_ids) for c in completions) >= len(prompts)
-    assert _equal([c.rollout_logprobs for c in completions], scored)

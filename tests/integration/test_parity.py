@@ -6,17 +6,19 @@ the Megatron trainer (teacher-forced, in batches of 8 — not the batches vLLM u
 every token's log-prob with torch.equal. The prompts cover lengths 1 to 620 tokens; the vLLM
 token budget of 256 per step forces chunked prefill of the long prompts and mixes prefill and
 decode of different lengths in one step; batch sizes 1, 3, 8 and 32 put every prompt at several
-batch positions (see rl.checker.batches_for).
+batch positions (see rl.checker.batches_for). The deepspeed trainer backend's model re-scores
+the same tokens too (`--trainer deepspeed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from rl.checker import CheckArgs, run_check
+from rl.checker import CheckArgs, run_check, score_deepspeed
 from tests.conftest import write_prompt_file
 
 PROMPT_LENS = (1, 5, 17, 64, 130, 300, 620)
@@ -30,13 +32,16 @@ def prompt_file(tmp_path_factory):
     return write_prompt_file(tmp_path_factory.mktemp("prompts"), PROMPT_LENS)
 
 
-def _check(model_dir, dtype, prompt_file, parity: bool, batch_sizes=BATCH_SIZES):
-    args = CheckArgs(
+def _args(model_dir, dtype, prompt_file, parity: bool, batch_sizes=BATCH_SIZES) -> CheckArgs:
+    return CheckArgs(
         model=model_dir, dtype=dtype, prompts=prompt_file, num_prompts=len(PROMPT_LENS),
         max_tokens=12, batch_sizes=batch_sizes, parity=parity, seed=0, report=None,
         max_num_batched_tokens=BUDGET,
     )
-    return run_check(args)
+
+
+def _check(model_dir, dtype, prompt_file, parity: bool, batch_sizes=BATCH_SIZES):
+    return run_check(_args(model_dir, dtype, prompt_file, parity, batch_sizes))
 
 
 @pytest.mark.parametrize("arch,dtype", CASES, ids=[f"{a}-{d}" for a, d in CASES])
@@ -54,6 +59,13 @@ def test_rollout_logprobs_equal_trainer_logprobs(model_factory, prompt_file, arc
     assert report["passed"] and report["bitwise_equal_fraction"] == 1.0
     assert report["max_abs_diff"] == report["kl_k1"] == report["kl_k3"] == 0.0
     assert sorted(report["per_batch_size"]) == sorted(str(b) for b in BATCH_SIZES)
+    # The same tokens re-scored by the deepspeed backend's model (`--trainer deepspeed`: the HF
+    # model under ZeRO-2, ZeRO-3 in bf16), bitwise too; no second vLLM engine needed.
+    args = dataclasses.replace(_args(model_factory(arch, dtype), dtype, prompt_file, True),
+                               trainer="deepspeed", zero_stage=3 if dtype == "bf16" else 2)
+    ds = score_deepspeed(args, [c.prompt_ids + c.token_ids for c in result.completions],
+                         [len(c.prompt_ids) for c in result.completions])
+    assert all(torch.equal(c.rollout_logprobs, d) for c, d in zip(result.completions, ds, strict=True))
 
 
 def test_parity_off_shows_the_mismatch(model_factory, prompt_file):
