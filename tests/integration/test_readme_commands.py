@@ -44,6 +44,9 @@ SHRINK: dict[str, str] = {
     ".venv/bin/kimi-rl train configs/quickstart.yaml": " total_steps=2",
     ".venv/bin/kimi-rl train configs/quickstart.yaml --print-config": "",
     ".venv/bin/kimi-rl train configs/quickstart.yaml --resume runs/quickstart total_steps=30": " total_steps=3",
+    ".venv/bin/kimi-rl train configs/quickstart.yaml trainer.backend=deepspeed trainer.deepspeed.ranks=2 "
+    "run_dir=runs/deepspeed": " total_steps=2 data.prompts_per_step=2",
+    ".venv/bin/kimi-rl parity check --model models/tiny-llama --trainer deepspeed --zero-stage 3": SMALL_CHECK,
     "PYTHONPATH=. .venv/bin/kimi-rl train configs/quickstart.yaml run_dir=runs/hooks "
     "'sync.hooks=[checksum, timing, myhooks:AdapterNorm]'": " total_steps=1",
 }
@@ -126,6 +129,8 @@ def test_readme_command(command, user_dir):
         assert "total_steps: 20" in done.stdout
     if "run_dir=runs/kimi-ppo" in command:
         _check_run(user_dir / "runs/kimi-ppo", 3)
+    if "run_dir=runs/deepspeed" in command:
+        _check_run(user_dir / "runs/deepspeed", 2)
     if "myhooks:AdapterNorm" in command:
         _check_run(user_dir / "runs/hooks", 1)
         assert _metrics(user_dir / "runs/hooks")[0]["sync/adapter_norm"] > 0
