@@ -25,9 +25,11 @@ from safetensors.torch import save_file
 
 from trainer.checkpoint import (
     _WEIGHT_SUFFIXES,
+    MANIFEST,
     TMP_PREFIX,
     CheckpointError,
     _fsync_tree,
+    _manifest,
     _prune,
     _write_atomic,
     read_checkpoint_state,
@@ -68,6 +70,8 @@ def save_checkpoint(
         _write_exports(tmp, trainer, tensors)
         torch.save(trainer.state_dict(), tmp / "trainer.pt")
         (tmp / "state.json").write_text(state)
+        # Last, over every file (DeepSpeed's partitions too): resume verifies it (trainer.checkpoint).
+        (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1) + "\n")
         _fsync_tree(tmp)
         if final.exists():  # saving a step again (e.g. after a resume): os.replace needs it gone
             old = root / f"{TMP_PREFIX}old-{name}"
