@@ -9,8 +9,8 @@ import torch
 
 class InvariantLinear(torch.autograd.Function):
     """A linear whose forward is an invariant kernel (`forward_fn(x, weight)`) and whose
-    gradients are plain GEMMs (they need only be correct). Shared by the CPU tiles here and
-    the CUDA kernel in parity/cuda.py."""
+    gradients are plain GEMMs (they need only be correct). Shared by the compiled CPU GEMM
+    (parity/kernels.py) and the CUDA kernel in parity/cuda.py."""
 
     @staticmethod
     def forward(ctx, x, weight, forward_fn):

@@ -10,7 +10,10 @@ F.linear, unchunked pointwise, dense attention; the KDA recurrence and MoE loop 
 also give the cache bytes per token (MLA latent + RoPE key + index key) and the KDA state per
 request, next to a dense-attention layer of the same width.
 
-    python scripts/bench_parity.py [--models tiny,smollm2,kimi] [--out bench_results/bench_parity.json]
+The GEMM table puts the parity GEMM next to MKL/oneDNN (F.linear) at M = 1, 16, 256, 4096.
+
+    python scripts/bench_parity.py [--models tiny,smollm2,kimi|none] [--gemm NxK|none]
+        [--out bench_results/bench_parity.json]
 """
 
 from __future__ import annotations
@@ -125,6 +128,49 @@ def bench_trainer(path: Path, dtype: str, parity: bool, batch: int, seq: int, re
     return statistics.median(times)
 
 
+GEMM_ROWS = (1, 16, 256, 4096)
+
+
+def bench_gemm(n: int, k: int, dtype: torch.dtype, repeats: int) -> list[dict]:
+    """The parity GEMM (weights prepacked, as in the engines) against MKL/oneDNN through
+    F.linear, at M = GEMM_ROWS, interleaved call by call so that both see the same machine."""
+    import torch.nn.functional as F
+
+    from parity import kernels
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    rows = []
+    for m in GEMM_ROWS:
+        x = torch.randn(m, k, generator=g).to(dtype)
+        calls = max(3, 4096 // m)
+        times = {"mkl": [], "parity": []}
+        for _ in range(repeats + 1):
+            for name, fn in (("mkl", F.linear), ("parity", kernels.linear)):
+                t = time.perf_counter()
+                for _ in range(calls):
+                    fn(x, w)
+                times[name].append((time.perf_counter() - t) / calls)
+        flops = 2 * m * n * k
+        mkl, ours = (flops / statistics.median(times[key][1:]) / 1e9 for key in ("mkl", "parity"))
+        rows.append({"m": m, "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."),
+                     "mkl_gflops": mkl, "parity_gflops": ours, "ratio": ours / mkl, "target": 0.7})
+    return rows
+
+
+def print_gemm(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"parity GEMM vs MKL (F.linear), GFLOP/s, {torch.get_num_threads()} threads")
+    for col in ("M", "N x K", "dtype", "MKL", "parity", "parity / MKL", "target"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["m"]), f"{r['n']} x {r['k']}", r["dtype"], f"{r['mkl_gflops']:.1f}",
+                      f"{r['parity_gflops']:.1f}", f"{r['ratio']:.2f}", f">= {r['target']:.1f}")
+    Console().print(table)
+
+
 def main() -> None:
     from rich.console import Console
     from rich.table import Table
@@ -132,7 +178,8 @@ def main() -> None:
     from trainer.megatron_patches import init_megatron
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--models", default="tiny,smollm2")
+    ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2, kimi (or none)")
+    ap.add_argument("--gemm", default="1536x576", help="N x K of the GEMM table (SmolLM2's MLP up); 'none' skips it")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--train-batch", type=int, default=8)
@@ -142,7 +189,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "bench_parity.json"))
     args = ap.parse_args()
 
-    models = ensure_models(args.models.split(","), Path(args.cache))
+    gemm = []
+    if args.gemm != "none":
+        n, k = (int(v) for v in args.gemm.split("x"))
+        gemm = [row for dtype in (torch.float32, torch.bfloat16) for row in bench_gemm(n, k, dtype, args.repeats)]
+        print_gemm(gemm)
+    names = [] if args.models == "none" else args.models.split(",")
+    models = ensure_models(names, Path(args.cache))
     results = []
     for name, (path, dtype) in models.items():
         if name == "kimi":
@@ -157,7 +210,8 @@ def main() -> None:
             "batch": args.batch, "max_tokens": args.max_tokens,
             "baseline": "invariant kernels off" if name == "kimi" else "stock vLLM",
         })
-    init_megatron()
+    if models:
+        init_megatron()
     for name, (path, dtype) in models.items():
         if name == "kimi":
             with invariant_kernels(False):
@@ -177,7 +231,8 @@ def main() -> None:
     for r in results:
         table.add_row(r["model"], r["dtype"], r["what"], f"{r['stock']:.3f}", f"{r['parity']:.3f}",
                       f"{r['slowdown']:.2f}x", f"<= {r['target']:.2f}x")
-    Console().print(table)
+    if results:
+        Console().print(table)
     cache = {name: kimi_cache_bytes(path, dtype) for name, (path, dtype) in models.items() if name == "kimi"}
     for name, c in cache.items():
         cache_table = Table(title=f"{name}: cache per token / state per request (bytes)")
@@ -191,7 +246,7 @@ def main() -> None:
         Console().print(cache_table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results, "cache": cache},
+    out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results, "gemm": gemm, "cache": cache},
                               indent=2) + "\n")
     print(f"wrote {out}")
 
