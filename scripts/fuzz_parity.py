@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -83,11 +84,12 @@ def draw_kimi(rng: random.Random) -> dict:
 
 
 def fix_kimi(shape: dict) -> dict:
-    """Nudge a drawn kimi-mini shape into the spec's constraints (v_head_dim <= qk head dim,
-    an even cache entry) without leaving the drawn neighbourhood."""
+    """Nudge a drawn kimi-mini shape into the constraints (v_head_dim <= qk head dim; a cache
+    entry width divisible by 4: it fills the key and value halves of a vLLM cache slot, whose
+    head_dim vLLM's RoPE check wants even) without leaving the drawn neighbourhood."""
     shape["v_head_dim"] = min(shape["v_head_dim"], shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"])
-    if (shape["kv_lora_rank"] + shape["qk_rope_head_dim"] + shape["index_head_dim"]) % 2:
-        shape["index_head_dim"] += 1
+    width = shape["kv_lora_rank"] + shape["qk_rope_head_dim"] + shape["index_head_dim"]
+    shape["index_head_dim"] += -width % 4
     return shape
 
 
@@ -122,9 +124,10 @@ def write_dense_model(arch: str, shape: dict, dtype: str, seed: int, out: Path) 
     from rl.models import build_tokenizer, model_config
 
     tokenizer = build_tokenizer(TOKENIZER_SIZE, 2048)
-    config = model_config(arch, "tiny", shape["vocab_size"])
-    for key, value in shape.items():
-        setattr(config, key, value)
+    base = model_config(arch, "tiny", shape["vocab_size"])
+    fields = {**base.to_dict(), **shape}
+    fields.pop("layer_types", None)  # derived from num_hidden_layers again
+    config = type(base)(**fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -167,12 +170,15 @@ def run_trial(trial: Trial, seed: int, workdir: Path) -> Trial:
         "--max-num-batched-tokens", str(trial.max_num_batched_tokens), "--seed", str(seed),
         "--parity", "on", "--report", str(report),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # A small KV cache: the trials' models are tiny, and several engines may share the machine.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     trial.seconds = round(time.perf_counter() - start, 1)
     result = report / "report.json"
     if not result.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        trial.error = f"parity check exited {proc.returncode}: {' | '.join(tail)}"
+        lines = (proc.stderr + proc.stdout).splitlines()
+        causes = [line.strip() for line in lines if "Error" in line or "error:" in line]
+        trial.error = f"parity check exited {proc.returncode}: {' | '.join(causes[:2] + causes[-1:])}"
         return trial
     data = json.loads(result.read_text())
     trial.tokens = data["tokens_compared"]
@@ -205,10 +211,18 @@ def print_table(trials: list[Trial]) -> None:
     print(f"{ok}/{len(trials)} trials bitwise; {sum(t.tokens for t in trials)} tokens compared")
 
 
-def fuzz(trials: int, seed: int, archs: list[str], start: int = 0, pinned: bool = False) -> list[Trial]:
+def write_json(out: Path, seed: int, archs: list[str], done: list[Trial]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"seed": seed, "archs": archs, "trials": [asdict(t) for t in done]}, indent=2) + "\n")
+
+
+def fuzz(
+    trials: int, seed: int, archs: list[str], start: int = 0, pinned: bool = False, out: Path | None = None
+) -> list[Trial]:
     """Trials start .. start+trials-1 of the stream drawn from `seed` (trial i always draws the
     same shape for a given seed and arch list, so a slice reproduces a longer run's rows),
-    after the pinned ODD_QWEN3 case if `pinned`."""
+    after the pinned ODD_QWEN3 case if `pinned`. The JSON at `out` is rewritten after every
+    trial, so an interrupted run keeps what it measured."""
     rng = random.Random(seed)
     drawn = [draw_trial(rng, i, archs) for i in range(start + trials)][start:]
     if pinned:
@@ -216,10 +230,12 @@ def fuzz(trials: int, seed: int, archs: list[str], start: int = 0, pinned: bool 
     done = []
     for trial in drawn:
         with tempfile.TemporaryDirectory(prefix="fuzz-parity-") as tmp:
-            done.append(run_trial(trial, seed * 100_003 + trial.index, Path(tmp)))
+            done.append(run_trial(trial, seed * 100_003 + trial.index + 1, Path(tmp)))
         t = done[-1]
         print(f"trial {t.index}: {t.arch} {t.dtype} {shape_text(t)} -> "
-              f"{t.error or f'{t.bitwise_fraction:.1%} of {t.tokens}'}", flush=True)
+              f"{t.error or f'{t.bitwise_fraction:.1%} of {t.tokens}'} ({t.seconds:.0f} s)", flush=True)
+        if out is not None:
+            write_json(out, seed, archs, done)
     return done
 
 
@@ -236,12 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(archs) - set(ARCHS))
     if unknown or not archs:
         parser.error(f"--arch: unknown {', '.join(unknown) or '(empty)'}; expected a subset of {', '.join(ARCHS)}")
-    done = fuzz(args.trials, args.seed, archs, args.start, args.pinned)
+    done = fuzz(args.trials, args.seed, archs, args.start, args.pinned, Path(args.out))
     print_table(done)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"seed": args.seed, "archs": archs, "trials": [asdict(t) for t in done]}, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {args.out}")
     return 0 if all(t.error is None and t.bitwise_fraction == 1.0 for t in done) else 1
 
 
