@@ -124,17 +124,20 @@ def _linear_fixed_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """The weight in the GEMM's panel layout, packed once and kept on the tensor.
 
-    The cache is keyed by the tensor's storage pointer, shape and version counter, so any
-    in-place update (an optimizer step, a full-weight sync's `copy_`, `param.data = ...`) repacks
-    on the next call; the engines need no repack hook. Inference tensors carry no version
-    counter, so they are packed on every call.
+    The cache is keyed by the tensor's storage pointer, shape, strides and version counter, so
+    any update repacks on the next call and the engines need no repack hook: the rollout's
+    full-weight sync and vLLM's reload copy into the parameters in place (rollout/sync.py),
+    an optimizer step updates them in place, and `param.data = new` changes the pointer (the
+    cache holds an alias of the packed storage, so that address cannot be reused meanwhile).
+    Inference tensors carry no version counter, so they are packed on every call.
     """
     if weight.is_inference():
         return native.ops().pack(weight.detach())
     key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight._version)
     held = getattr(weight, "_kimi_parity_packed", None)
     if held is None or held[0] != key:
-        held = (key, native.ops().pack(weight.detach()))
+        source = weight.detach()
+        held = (key, native.ops().pack(source), source)
         weight._kimi_parity_packed = held
     return held[1]
 
