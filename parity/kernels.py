@@ -116,7 +116,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _linear_fixed_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dtype != weight.dtype:
         raise TypeError(f"linear: input is {x.dtype} but weight is {weight.dtype}")
-    rows = x.detach().reshape(-1, x.shape[-1])
+    # Rows counted explicitly: reshape(-1, 0) is ambiguous for K = 0 (a zero-width expert).
+    rows = x.detach().reshape(math.prod(x.shape[:-1]), x.shape[-1])
     out = native.ops().gemm(rows, packed_weight(weight), weight.shape[0])
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 

@@ -65,6 +65,14 @@ def test_row_bits_do_not_depend_on_m_position_or_threads(dtype, threads):
     assert torch.equal(kernels.linear(x, w), full)
 
 
+@pytest.mark.parametrize("m,n,k", [(0, 5, 7), (3, 0, 7), (3, 5, 0), (0, 0, 0)])
+def test_empty_shapes(m, n, k):
+    """A zero-width shared expert (kimi-mini with n_shared_experts = 0) has K = 0: sums of no
+    terms are +0."""
+    out = kernels.linear(torch.randn(2, m, k), torch.randn(n, k))
+    assert out.shape == (2, m, n) and torch.equal(out, torch.zeros(2, m, n))
+
+
 def test_packed_weight_follows_in_place_updates():
     """A full-weight sync copies into the parameter in place: the next call repacks."""
     w = torch.nn.Parameter(_randn(0, 33, 50))
