@@ -50,8 +50,10 @@ class Trial:
     error: str | None = None
 
 
-def draw_dense(rng: random.Random) -> dict:
-    """A Llama/Qwen3 shape. Attention width is capped so one trial stays about a minute."""
+def draw_dense(rng: random.Random, arch: str) -> dict:
+    """A Llama/Qwen3 shape. Attention width is capped so one trial stays about a minute.
+    transformers' LlamaConfig insists that hidden be a multiple of the head count (Qwen3's does
+    not), so a Llama's drawn hidden size is rounded to one."""
     kv_heads = rng.randint(1, 4)
     group = rng.randint(1, 8)
     head_dim = 2 * rng.randint(4, 128)  # even (RoPE rotates halves), often not a multiple of 16
@@ -59,8 +61,12 @@ def draw_dense(rng: random.Random) -> dict:
         head_dim = max(8, head_dim // 2 if head_dim // 2 % 2 == 0 else head_dim // 2 + 1)
         if kv_heads * group * head_dim > 2048:
             group = max(1, group - 1)
+    heads = kv_heads * group
+    hidden = rng.randint(8, 512)
+    if arch == "llama":
+        hidden = max(heads, round(hidden / heads) * heads)
     return dict(
-        hidden_size=rng.randint(8, 512), num_attention_heads=kv_heads * group,
+        hidden_size=hidden, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=rng.randint(8, 1024),
         num_hidden_layers=rng.randint(1, 4), vocab_size=rng.randint(TOKENIZER_SIZE, 1200),
         tie_word_embeddings=rng.random() < 0.5,
@@ -106,7 +112,7 @@ ODD_QWEN3 = Trial(
 
 def draw_trial(rng: random.Random, index: int, archs: list[str]) -> Trial:
     arch = rng.choice(archs)
-    shape = fix_kimi(draw_kimi(rng)) if arch == "kimi-mini" else draw_dense(rng)
+    shape = fix_kimi(draw_kimi(rng)) if arch == "kimi-mini" else draw_dense(rng, arch)
     return Trial(
         index=index, arch=arch, dtype=rng.choice(DTYPES), shape=shape,
         batch_sizes=sorted(rng.sample(range(1, 41), rng.randint(1, 3))),
