@@ -133,7 +133,7 @@ def bench_trainer(path: Path, dtype: str, parity: bool, batch: int, seq: int, re
 GEMM_ROWS = (1, 16, 256, 4096)
 
 
-def bench_gemm(n: int, k: int, dtype: torch.dtype, repeats: int) -> list[dict]:
+def bench_gemm(n: int, k: int, dtype: torch.dtype, threads: int, repeats: int) -> list[dict]:
     """The parity GEMM (weights prepacked, as in the engines) against MKL/oneDNN through
     F.linear, at M = GEMM_ROWS, interleaved batch by batch so that both see the same machine;
     the best batch of each counts (on a shared machine the median mostly measures neighbours)."""
@@ -144,6 +144,8 @@ def bench_gemm(n: int, k: int, dtype: torch.dtype, repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g).to(dtype)
     rows = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     for m in GEMM_ROWS:
         x = torch.randn(m, k, generator=g).to(dtype)
         calls = max(3, 4096 // m)
@@ -156,8 +158,9 @@ def bench_gemm(n: int, k: int, dtype: torch.dtype, repeats: int) -> list[dict]:
                 times[name].append((time.perf_counter() - t) / calls)
         flops = 2 * m * n * k
         mkl, ours = (flops / min(times[key][1:]) / 1e9 for key in ("mkl", "parity"))
-        rows.append({"m": m, "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."),
+        rows.append({"m": m, "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."), "threads": threads,
                      "mkl_gflops": mkl, "parity_gflops": ours, "ratio": ours / mkl, "target": 0.7})
+    torch.set_num_threads(before)
     return rows
 
 
@@ -165,11 +168,11 @@ def print_gemm(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"parity GEMM vs MKL (F.linear), GFLOP/s, {torch.get_num_threads()} threads")
-    for col in ("M", "N x K", "dtype", "MKL", "parity", "parity / MKL", "target"):
+    table = Table(title="parity GEMM vs MKL (F.linear), GFLOP/s")
+    for col in ("M", "N x K", "dtype", "threads", "MKL", "parity", "parity / MKL", "target"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["m"]), f"{r['n']} x {r['k']}", r["dtype"], f"{r['mkl_gflops']:.1f}",
+        table.add_row(str(r["m"]), f"{r['n']} x {r['k']}", r["dtype"], str(r["threads"]), f"{r['mkl_gflops']:.1f}",
                       f"{r['parity_gflops']:.1f}", f"{r['ratio']:.2f}", f">= {r['target']:.1f}")
     Console().print(table)
 
@@ -195,7 +198,8 @@ def main() -> None:
     gemm = []
     if args.gemm != "none":
         n, k = (int(v) for v in args.gemm.split("x"))
-        gemm = [row for dtype in (torch.float32, torch.bfloat16) for row in bench_gemm(n, k, dtype, max(args.repeats, 7))]
+        gemm = [row for threads in sorted({1, torch.get_num_threads()}) for dtype in (torch.float32, torch.bfloat16)
+                for row in bench_gemm(n, k, dtype, threads, max(args.repeats, 7))]
         print_gemm(gemm)
     names = [] if args.models == "none" else args.models.split(",")
     models = ensure_models(names, Path(args.cache))

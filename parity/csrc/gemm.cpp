@@ -180,7 +180,10 @@ at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
   const int64_t chunk_rows = kChunkBlocks * kern.max_rows;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
   const int64_t col_blocks = (panels + kern.max_panels - 1) / kern.max_panels;
-  at::parallel_for(0, chunks * col_blocks, 1, [&](int64_t begin, int64_t end) {
+  // At least ~1 MFLOP per thread, so tiny products (decode) do not pay for waking threads.
+  const int64_t task_flops = 2 * std::min(m, chunk_rows) * kern.max_panels * kPanel * std::max<int64_t>(k, 1);
+  const int64_t grain = std::max<int64_t>(1, (1 << 20) / task_flops);
+  at::parallel_for(0, chunks * col_blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t cb = t % col_blocks, chunk = t / col_blocks;
       const int64_t p0 = cb * kern.max_panels, np = std::min<int64_t>(kern.max_panels, panels - p0);
