@@ -23,7 +23,7 @@ class InvariantLinear(torch.autograd.Function):
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            grad_w = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)  # flatten: K may be 0
         return grad_x, grad_w, None
 
 

@@ -69,8 +69,11 @@ def test_row_bits_do_not_depend_on_m_position_or_threads(dtype, threads):
 def test_empty_shapes(m, n, k):
     """A zero-width shared expert (kimi-mini with n_shared_experts = 0) has K = 0: sums of no
     terms are +0."""
-    out = kernels.linear(torch.randn(2, m, k), torch.randn(n, k))
+    x, w = torch.randn(2, m, k, requires_grad=True), torch.randn(n, k, requires_grad=True)
+    out = kernels.linear(x, w)
     assert out.shape == (2, m, n) and torch.equal(out, torch.zeros(2, m, n))
+    out.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
 
 
 def test_packed_weight_follows_in_place_updates():
