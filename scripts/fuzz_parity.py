@@ -10,7 +10,7 @@ draws its KDA/MLA layer pattern, experts, top-k and indexer top-k. Prints a tabl
 JSON (one row per trial: shape, dtype, batch sizes, prompt lengths, tokens, bitwise fraction).
 
     python scripts/fuzz_parity.py --trials 20 --seed 0 [--arch llama,qwen3,kimi-mini] [--pinned]
-        [--start I] [--out bench_results/fuzz_parity.json]
+        [--start I | --only I,J,...] [--out bench_results/fuzz_parity.json]
 
 Exit status 1 if any trial is not fully bitwise (or fails to run), 0 otherwise.
 """
@@ -223,14 +223,18 @@ def write_json(out: Path, seed: int, archs: list[str], done: list[Trial]) -> Non
 
 
 def fuzz(
-    trials: int, seed: int, archs: list[str], start: int = 0, pinned: bool = False, out: Path | None = None
+    trials: int, seed: int, archs: list[str], start: int = 0, pinned: bool = False, out: Path | None = None,
+    only: list[int] | None = None,
 ) -> list[Trial]:
     """Trials start .. start+trials-1 of the stream drawn from `seed` (trial i always draws the
-    same shape for a given seed and arch list, so a slice reproduces a longer run's rows),
-    after the pinned ODD_QWEN3 case if `pinned`. The JSON at `out` is rewritten after every
-    trial, so an interrupted run keeps what it measured."""
+    same shape for a given seed and arch list, so a slice reproduces a longer run's rows), or
+    just the indices in `only`, after the pinned ODD_QWEN3 case if `pinned`. The JSON at `out`
+    is rewritten after every trial, so an interrupted run keeps what it measured."""
     rng = random.Random(seed)
-    drawn = [draw_trial(rng, i, archs) for i in range(start + trials)][start:]
+    if only:
+        drawn = [t for t in (draw_trial(rng, i, archs) for i in range(max(only) + 1)) if t.index in only]
+    else:
+        drawn = [draw_trial(rng, i, archs) for i in range(start + trials)][start:]
     if pinned:
         drawn.insert(0, Trial(**asdict(ODD_QWEN3)))
     done = []
@@ -251,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start", type=int, default=0, help="first trial index of the seed's stream")
     parser.add_argument("--arch", default=",".join(ARCHS), help="comma-separated subset of " + ",".join(ARCHS))
+    parser.add_argument("--only", default="", help="comma-separated trial indices of the seed's stream to run")
     parser.add_argument("--pinned", action="store_true", help="also run the odd-shaped Qwen3 case of issue 13")
     parser.add_argument("--out", default="bench_results/fuzz_parity.json")
     args = parser.parse_args(argv)
@@ -258,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(archs) - set(ARCHS))
     if unknown or not archs:
         parser.error(f"--arch: unknown {', '.join(unknown) or '(empty)'}; expected a subset of {', '.join(ARCHS)}")
-    done = fuzz(args.trials, args.seed, archs, args.start, args.pinned, Path(args.out))
+    only = [int(i) for i in args.only.split(",") if i.strip()]
+    done = fuzz(args.trials, args.seed, archs, args.start, args.pinned, Path(args.out), only)
     print_table(done)
     print(f"wrote {args.out}")
     return 0 if all(t.error is None and t.bitwise_fraction == 1.0 for t in done) else 1
