@@ -118,29 +118,13 @@ def _linear_fixed_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"linear: input is {x.dtype} but weight is {weight.dtype}")
     # Rows counted explicitly: reshape(-1, 0) is ambiguous for K = 0 (a zero-width expert).
     rows = x.detach().reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    out = native.ops().gemm(rows, packed_weight(weight), weight.shape[0])
+    # Packed on every call (O(N K), against the product's O(M N K)). A pack kept on the tensor
+    # and keyed by its version counter went stale: writes through `param.data` (vLLM's
+    # default_weight_loader in a full-weight sync, Megatron's fp16 optimizer copying main
+    # params back) do not bump the parameter's version, so a cached pack would silently keep
+    # the old weights.
+    out = native.ops().gemm(rows, native.ops().pack(weight.detach()), weight.shape[0])
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-
-
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in the GEMM's panel layout, packed once and kept on the tensor.
-
-    The cache is keyed by the tensor's storage pointer, shape, strides and version counter, so
-    any update repacks on the next call and the engines need no repack hook: the rollout's
-    full-weight sync and vLLM's reload copy into the parameters in place (rollout/sync.py),
-    an optimizer step updates them in place, and `param.data = new` changes the pointer (the
-    cache holds an alias of the packed storage, so that address cannot be reused meanwhile).
-    Inference tensors carry no version counter, so they are packed on every call.
-    """
-    if weight.is_inference():
-        return native.ops().pack(weight.detach())
-    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight._version)
-    held = getattr(weight, "_kimi_parity_packed", None)
-    if held is None or held[0] != key:
-        source = weight.detach()
-        held = (key, native.ops().pack(source), source)
-        weight._kimi_parity_packed = held
-    return held[1]
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

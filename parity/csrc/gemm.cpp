@@ -146,14 +146,18 @@ at::Tensor as_fp32_rows(const at::Tensor& x) {
 at::Tensor pack(const at::Tensor& weight) {
   const at::Tensor w = as_fp32_rows(weight);
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({panels, k, kPanel}, w.options());
+  at::Tensor packed = n % kPanel ? at::zeros({panels, k, kPanel}, w.options())
+                                 : at::empty({panels, k, kPanel}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kPanel, n - p * kPanel);
-      for (int64_t c = 0; c < cols; ++c)
-        for (int64_t i = 0; i < k; ++i) dst[(p * k + i) * kPanel + c] = src[(p * kPanel + c) * k + i];
+      const float* rows = src + p * kPanel * k;
+      float* panel = dst + p * k * kPanel;
+      // Writes in order (one cache line per k), reads as `cols` sequential streams.
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t c = 0; c < cols; ++c) panel[i * kPanel + c] = rows[c * k + i];
     }
   });
   return packed;
