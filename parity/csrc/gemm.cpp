@@ -9,7 +9,8 @@
 // block; for any M. Threads split rows and column panels, never k. bf16 inputs are widened to
 // fp32 (exact), accumulated in fp32 and rounded once by the caller.
 //
-// Registered as torch.ops.kimi_parity.{pack, gemm, gemm_reference}; loaded by parity/native.py.
+// Registered as torch.ops.kimi_parity.{pack, gemm, gemm_on, isas, gemm_reference}; loaded by
+// parity/native.py.
 // Compiled with -ffp-contract=off: the only fused operations are the explicit FMAs below.
 
 #include <ATen/Parallel.h>
