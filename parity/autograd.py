@@ -9,8 +9,8 @@ import torch
 
 class InvariantLinear(torch.autograd.Function):
     """A linear whose forward is an invariant kernel (`forward_fn(x, weight)`) and whose
-    gradients are plain GEMMs (they need only be correct). Shared by the CPU tiles here and
-    the CUDA kernel in parity/cuda.py."""
+    gradients are plain GEMMs (they need only be correct). Shared by the compiled CPU GEMM
+    (parity/kernels.py) and the CUDA kernel in parity/cuda.py."""
 
     @staticmethod
     def forward(ctx, x, weight, forward_fn):
@@ -23,7 +23,7 @@ class InvariantLinear(torch.autograd.Function):
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            grad_w = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)  # flatten: K may be 0
         return grad_x, grad_w, None
 
 

@@ -12,7 +12,8 @@ over "all keys so far" has a different length in decode (one query, t keys) and 
     every reduction and every transcendental op runs on a shape that is fixed by the model
     config alone (never by batch size, chunking or decode vs. training), in a fixed order.
 
-Concretely: GEMMs run on tiles of exactly `TILE_ROWS` rows; transcendental element-wise ops run
+Concretely: GEMMs run on a compiled kernel whose summation order is fixed by construction
+(parity/csrc/gemm.cpp); transcendental element-wise ops run
 on flat chunks of exactly `POINTWISE_CHUNK` elements (serial, all-vector, no scalar tail);
 row reductions reduce a contiguous last dim of fixed length; attention walks the keys in blocks
 of `KV_BLOCK` positions from position 0, so a query at position t always sees the same blocks
@@ -31,11 +32,9 @@ import os
 import torch
 import torch.nn.functional as F
 
+from parity import native
 from parity.autograd import InvariantLinear, RecomputeAttention
 
-# Rows per GEMM call. 16 keeps one-token decode cheap (a padded tile of 16 rows still streams
-# the weight once) while giving MKL a real GEMM shape.
-TILE_ROWS = 64
 # Elements per transcendental call: below torch's parallel grain (32768), so one thread runs
 # the whole chunk, and a multiple of 64 (the widest vector loop: 2 x 32 bf16 lanes), so no
 # element ever goes through the scalar tail loop.
@@ -97,34 +96,59 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias), for x of shape [..., K] and weight [N, K].
 
-    Invariant because: rows are zero-padded to whole tiles and each GEMM call gets exactly
-    TILE_ROWS rows, so MKL/oneDNN always pick the same kernel and K-order for a given weight;
-    within a tile a row's result does not depend on its position or its neighbours (checked in
-    tests/unit/test_kernels.py). Gradients (training only) come from plain GEMMs: they need not be
-    bitwise reproducible across batch shapes, only correct.
+    Invariant by construction: the compiled GEMM (parity/csrc/gemm.cpp) computes every output
+    element as one fp32 fused-multiply-add chain over k = 0..K-1, whatever M, the row's
+    position, the thread count or the ISA; bf16 operands are widened exactly and the result is
+    rounded once to x's dtype. Gradients (training only) come from plain GEMMs: they need not
+    be bitwise reproducible across batch shapes, only correct.
     """
     if x.is_cuda:
         return _cuda().linear(x, weight, bias)
     if not INVARIANT:
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        out = InvariantLinear.apply(x, weight, _linear_tiles)
+        out = InvariantLinear.apply(x, weight, _linear_fixed_order)
     else:
-        out = _linear_tiles(x, weight)
+        out = _linear_fixed_order(x, weight)
     return out if bias is None else out + bias
 
 
-def _linear_tiles(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    k = x.shape[-1]
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    padded = -(-m // TILE_ROWS) * TILE_ROWS
-    if padded != m:
-        rows = F.pad(rows, (0, 0, 0, padded - m))
-    rows = rows.contiguous()
-    wt = weight.contiguous().t()
-    out = torch.cat([tile @ wt for tile in rows.split(TILE_ROWS)])[:m]
-    return out.view(*x.shape[:-1], weight.shape[0])
+def _linear_fixed_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.dtype != weight.dtype:
+        raise TypeError(f"linear: input is {x.dtype} but weight is {weight.dtype}")
+    # Rows counted explicitly: reshape(-1, 0) is ambiguous for K = 0 (a zero-width expert).
+    rows = x.detach().reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    # Packed on every call (O(N K), against the product's O(M N K)). A pack kept on the tensor
+    # and keyed by its version counter went stale: writes through `param.data` (vLLM's
+    # default_weight_loader in a full-weight sync, Megatron's fp16 optimizer copying main
+    # params back) do not bump the parameter's version, so a cached pack would silently keep
+    # the old weights.
+    out = native.ops().gemm(rows, native.ops().pack(weight.detach()), weight.shape[0])
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The GEMM's summation order in plain PyTorch, for tests: acc = fma(x[:, k], w[:, k], acc)
+    in fp32 for k = 0..K-1 from +0, rounded once to x's dtype.
+
+    torch has no fp32 FMA, so each step is emulated exactly in fp64: the product of two fp32
+    values is exact in fp64; the sum is rounded to odd (round to nearest, then, if inexact and
+    the result is even, step one ulp toward the exact sum found by TwoSum), and a round-to-odd
+    fp64 value rounds to the correctly rounded fp32 value (53 >= 24 + 2 bits).
+    """
+    rows = x.reshape(-1, x.shape[-1]).double()
+    w = weight.double()
+    acc = torch.zeros(rows.shape[0], w.shape[0], dtype=torch.float64)
+    for k in range(rows.shape[1]):
+        p = rows[:, k : k + 1] * w[:, k]
+        s = p + acc
+        b = s - p
+        err = (p - (s - b)) + (acc - b)
+        even = (s.view(torch.int64) & 1) == 0
+        toward = torch.where(err > 0, math.inf, -math.inf).double()
+        s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+        acc = s.float().double()
+    return acc.float().to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

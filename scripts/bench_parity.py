@@ -1,7 +1,7 @@
 """Benchmark the parity layer's cost, measured side by side in one run.
 
-Rollout: tokens/s of vLLM with the parity model vs stock vLLM (same weights, prompts, batch,
-max tokens, eager mode on both). Trainer: forward+backward seconds of the parity Megatron model
+Rollout: tokens/s of vLLM with the parity model (eager) vs stock vLLM (same weights, prompts,
+batch, max tokens) in eager mode and in vLLM's default compiled mode. Trainer: forward+backward seconds of the parity Megatron model
 vs stock Megatron (same weights and batch). Prints a table and writes JSON.
 
 kimi-mini (`--models kimi`) has no stock engine on either side, so its baseline is the same
@@ -10,7 +10,10 @@ F.linear, unchunked pointwise, dense attention; the KDA recurrence and MoE loop 
 also give the cache bytes per token (MLA latent + RoPE key + index key) and the KDA state per
 request, next to a dense-attention layer of the same width.
 
-    python scripts/bench_parity.py [--models tiny,smollm2,kimi] [--out bench_results/bench_parity.json]
+The GEMM table puts the parity GEMM next to MKL/oneDNN (F.linear) at M = 1, 16, 256, 4096.
+
+    python scripts/bench_parity.py [--models tiny,smollm2,kimi|none] [--gemm NxK|none]
+        [--out bench_results/bench_parity.json]
 """
 
 from __future__ import annotations
@@ -90,14 +93,16 @@ def kimi_cache_bytes(path: Path, dtype: str) -> dict:
     }
 
 
-def bench_rollout(path: Path, dtype: str, parity: bool, batch: int, max_tokens: int, repeats: int) -> float:
+def bench_rollout(
+    path: Path, dtype: str, parity: bool, batch: int, max_tokens: int, repeats: int, eager: bool = True
+) -> float:
     from rollout.engine import RolloutEngine
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 400, (int(n),), generator=g).tolist()
                for n in torch.randint(16, 64, (batch,), generator=g)]
     with RolloutEngine(str(path), dtype=dtype, parity=parity, seed=0, max_num_seqs=batch,
-                       max_model_len=256) as engine:
+                       max_model_len=256, enforce_eager=eager) as engine:
         engine.generate(prompts, max_tokens=4)  # warm-up (sampler compile, allocations)
         rates = []
         for _ in range(repeats):
@@ -125,6 +130,53 @@ def bench_trainer(path: Path, dtype: str, parity: bool, batch: int, seq: int, re
     return statistics.median(times)
 
 
+GEMM_ROWS = (1, 16, 256, 4096)
+
+
+def bench_gemm(n: int, k: int, dtype: torch.dtype, threads: int, repeats: int) -> list[dict]:
+    """The parity GEMM (weights prepacked, as in the engines) against MKL/oneDNN through
+    F.linear, at M = GEMM_ROWS, interleaved batch by batch so that both see the same machine;
+    the best batch of each counts (on a shared machine the median mostly measures neighbours)."""
+    import torch.nn.functional as F
+
+    from parity import kernels
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    rows = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    for m in GEMM_ROWS:
+        x = torch.randn(m, k, generator=g).to(dtype)
+        calls = max(3, 4096 // m)
+        times = {"mkl": [], "parity": []}
+        for _ in range(repeats + 1):
+            for name, fn in (("mkl", F.linear), ("parity", kernels.linear)):
+                t = time.perf_counter()
+                for _ in range(calls):
+                    fn(x, w)
+                times[name].append((time.perf_counter() - t) / calls)
+        flops = 2 * m * n * k
+        mkl, ours = (flops / min(times[key][1:]) / 1e9 for key in ("mkl", "parity"))
+        rows.append({"m": m, "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."), "threads": threads,
+                     "mkl_gflops": mkl, "parity_gflops": ours, "ratio": ours / mkl, "target": 0.7})
+    torch.set_num_threads(before)
+    return rows
+
+
+def print_gemm(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="parity GEMM vs MKL (F.linear), GFLOP/s")
+    for col in ("M", "N x K", "dtype", "threads", "MKL", "parity", "parity / MKL", "target"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["m"]), f"{r['n']} x {r['k']}", r["dtype"], str(r["threads"]), f"{r['mkl_gflops']:.1f}",
+                      f"{r['parity_gflops']:.1f}", f"{r['ratio']:.2f}", f">= {r['target']:.1f}")
+    Console().print(table)
+
+
 def main() -> None:
     from rich.console import Console
     from rich.table import Table
@@ -132,7 +184,8 @@ def main() -> None:
     from trainer.megatron_patches import init_megatron
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--models", default="tiny,smollm2")
+    ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2, kimi (or none)")
+    ap.add_argument("--gemm", default="1536x576", help="N x K of the GEMM table (SmolLM2's MLP up); 'none' skips it")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--train-batch", type=int, default=8)
@@ -142,7 +195,14 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "bench_parity.json"))
     args = ap.parse_args()
 
-    models = ensure_models(args.models.split(","), Path(args.cache))
+    gemm = []
+    if args.gemm != "none":
+        n, k = (int(v) for v in args.gemm.split("x"))
+        gemm = [row for threads in sorted({1, torch.get_num_threads()}) for dtype in (torch.float32, torch.bfloat16)
+                for row in bench_gemm(n, k, dtype, threads, max(args.repeats, 7))]
+        print_gemm(gemm)
+    names = [] if args.models == "none" else args.models.split(",")
+    models = ensure_models(names, Path(args.cache))
     results = []
     for name, (path, dtype) in models.items():
         if name == "kimi":
@@ -150,14 +210,23 @@ def main() -> None:
                 stock = bench_rollout(path, dtype, True, args.batch, args.max_tokens, args.repeats)
         else:
             stock = bench_rollout(path, dtype, False, args.batch, args.max_tokens, args.repeats)
+            # vLLM's default mode (torch.compile + its CPU kernels), the other baseline users run.
+            default = bench_rollout(path, dtype, False, args.batch, args.max_tokens, args.repeats, eager=False)
         parity = bench_rollout(path, dtype, True, args.batch, args.max_tokens, args.repeats)
         results.append({
             "model": name, "dtype": dtype, "what": "rollout tokens/s",
             "stock": stock, "parity": parity, "slowdown": stock / parity, "target": 1.10,
             "batch": args.batch, "max_tokens": args.max_tokens,
-            "baseline": "invariant kernels off" if name == "kimi" else "stock vLLM",
+            "baseline": "invariant kernels off" if name == "kimi" else "stock vLLM, eager",
         })
-    init_megatron()
+        if name != "kimi":
+            results.append({
+                "model": name, "dtype": dtype, "what": "rollout tokens/s vs default mode",
+                "stock": default, "parity": parity, "slowdown": default / parity, "target": 1.10,
+                "batch": args.batch, "max_tokens": args.max_tokens, "baseline": "stock vLLM, default (compiled)",
+            })
+    if models:
+        init_megatron()
     for name, (path, dtype) in models.items():
         if name == "kimi":
             with invariant_kernels(False):
@@ -177,7 +246,8 @@ def main() -> None:
     for r in results:
         table.add_row(r["model"], r["dtype"], r["what"], f"{r['stock']:.3f}", f"{r['parity']:.3f}",
                       f"{r['slowdown']:.2f}x", f"<= {r['target']:.2f}x")
-    Console().print(table)
+    if results:
+        Console().print(table)
     cache = {name: kimi_cache_bytes(path, dtype) for name, (path, dtype) in models.items() if name == "kimi"}
     for name, c in cache.items():
         cache_table = Table(title=f"{name}: cache per token / state per request (bytes)")
@@ -191,7 +261,7 @@ def main() -> None:
         Console().print(cache_table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results, "cache": cache},
+    out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results, "gemm": gemm, "cache": cache},
                               indent=2) + "\n")
     print(f"wrote {out}")
 

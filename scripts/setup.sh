@@ -26,4 +26,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VPY" -m pip install -q --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
+# The compiled parity kernels (parity/csrc): built once per source version into the venv, so
+# the first rollout or training step does not pay for it.
+.venv/bin/python -m parity.native
 echo "kimi-rl environment ready: $(.venv/bin/kimi-rl --version 2>/dev/null || echo .venv)"

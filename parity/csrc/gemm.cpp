@@ -1,0 +1,239 @@
+// The parity GEMM: out[m, n] = sum_k x[m, k] * w[n, k] with one summation order fixed by
+// construction.
+//
+// The order: every output element is ONE fused-multiply-add chain over k = 0, 1, ..., K-1,
+// starting from +0.0f in fp32:  acc = fmaf(x[m, k], w[n, k], acc).  Vector lanes run over
+// output columns (16 columns of a packed weight panel), never over k, so the chain of an element
+// is the same whether it is computed by the AVX-512 kernel (one 16-lane register), the AVX2
+// kernel (two 8-lane registers) or the scalar reference (std::fmaf); by any thread; in any row
+// block; for any M. Threads split rows and column panels, never k. bf16 inputs are widened to
+// fp32 (exact), accumulated in fp32 and rounded once by the caller.
+//
+// Registered as torch.ops.kimi_parity.{pack, gemm, gemm_on, isas, gemm_reference}; loaded by
+// parity/native.py.
+// Compiled with -ffp-contract=off: the only fused operations are the explicit FMAs below.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // columns per packed weight panel (one AVX-512 register)
+constexpr int kMaxRows = 8;      // rows per register block, at most
+constexpr int kMaxPanels = 2;    // panels per register block, at most
+constexpr int64_t kChunkBlocks = 12;  // register blocks of rows per cache-blocking task
+
+// ---------------------------------------------------------------------------------------------
+// Micro-kernels: MR rows x NP consecutive 16-column panels, k = 0..K-1 in order.
+// x: row-major fp32 with row stride K; panels: NP x [K][16] fp32, `pstride` floats apart; out:
+// MR rows at stride ldo, `cols` (1 .. NP * 16) valid columns.
+
+template <int MR, int NP>
+__attribute__((target("avx512f,fma"))) void block_avx512(
+    const float* x, int64_t K, const float* panels, int64_t pstride, float* out, int64_t ldo,
+    int64_t cols) {
+  __m512 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[NP];
+    for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_ps(panels + p * pstride + k * kPanel);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * K + k]);
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(a, w[p], acc[r][p]);
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int64_t c = std::min<int64_t>(kPanel, cols - p * kPanel);
+    const __mmask16 mask = static_cast<__mmask16>((1u << c) - 1u);
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo + p * kPanel, mask, acc[r][p]);
+  }
+}
+
+template <int MR, int NP>
+__attribute__((target("avx2,fma"))) void block_avx2(
+    const float* x, int64_t K, const float* panels, int64_t pstride, float* out, int64_t ldo,
+    int64_t cols) {
+  static_assert(NP == 1, "AVX2 blocks are one panel wide (16 registers)");
+  __m256 lo[MR], hi[MR];
+  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 wl = _mm256_loadu_ps(panels + k * kPanel);
+    const __m256 wh = _mm256_loadu_ps(panels + k * kPanel + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_set1_ps(x[r * K + k]);
+      lo[r] = _mm256_fmadd_ps(a, wl, lo[r]);
+      hi[r] = _mm256_fmadd_ps(a, wh, hi[r]);
+    }
+  }
+  alignas(32) float tmp[kPanel];
+  for (int r = 0; r < MR; ++r) {
+    _mm256_store_ps(tmp, lo[r]);
+    _mm256_store_ps(tmp + 8, hi[r]);
+    std::copy(tmp, tmp + cols, out + r * ldo);
+  }
+}
+
+template <int MR, int NP>
+void block_scalar(const float* x, int64_t K, const float* panels, int64_t pstride, float* out,
+                  int64_t ldo, int64_t cols) {
+  static_assert(NP == 1, "scalar blocks are one panel wide");
+  for (int r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fmaf(x[r * K + k], panels[k * kPanel + c], acc);
+      out[r * ldo + c] = acc;
+    }
+}
+
+using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+
+// The register blocking of one ISA: fn[rows - 1][panels - 1] for rows <= max_rows and
+// panels <= max_panels. Blocking changes speed only, never an element's arithmetic.
+struct Kernels {
+  int max_rows;
+  int max_panels;
+  BlockFn fn[kMaxRows][kMaxPanels];
+};
+
+#define KIMI_ROWS_1(f) {f<1, 1>, nullptr}, {f<2, 1>, nullptr}, {f<3, 1>, nullptr}, \
+  {f<4, 1>, nullptr}, {f<5, 1>, nullptr}, {f<6, 1>, nullptr}
+#define KIMI_ROWS_2(f) {f<1, 1>, f<1, 2>}, {f<2, 1>, f<2, 2>}, {f<3, 1>, f<3, 2>}, \
+  {f<4, 1>, f<4, 2>}, {f<5, 1>, f<5, 2>}, {f<6, 1>, f<6, 2>}, {f<7, 1>, f<7, 2>}, {f<8, 1>, f<8, 2>}
+
+const Kernels kAvx512{8, 2, {KIMI_ROWS_2(block_avx512)}};
+const Kernels kAvx2{6, 1, {KIMI_ROWS_1(block_avx2)}};
+const Kernels kScalar{6, 1, {KIMI_ROWS_1(block_scalar)}};
+
+bool cpu_has(const std::string& isa) {
+  __builtin_cpu_init();
+  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return isa == "scalar";
+}
+
+// The code paths this CPU can run, fastest first. Every one computes the same bits.
+std::vector<std::string> isas() {
+  std::vector<std::string> out;
+  for (const char* isa : {"avx512", "avx2", "scalar"})
+    if (cpu_has(isa)) out.emplace_back(isa);
+  return out;
+}
+
+const Kernels& kernels_for(const std::string& isa) {
+  TORCH_CHECK(cpu_has(isa), "kimi_parity: this CPU cannot run the ", isa, " kernels");
+  return isa == "avx512" ? kAvx512 : isa == "avx2" ? kAvx2 : kScalar;
+}
+
+at::Tensor as_fp32_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "kimi_parity: expected a 2-D input, got ", x.dim(), "-D");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "kimi_parity: fp32 or bf16 only, got ", x.scalar_type());
+  return x.to(at::kFloat).contiguous();  // bf16 -> fp32 is exact
+}
+
+// w [N, K] -> panels [ceil(N / 16), K, 16] fp32, columns past N zero.
+at::Tensor pack(const at::Tensor& weight) {
+  const at::Tensor w = as_fp32_rows(weight);
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
+  at::Tensor packed = n % kPanel ? at::zeros({panels, k, kPanel}, w.options())
+                                 : at::empty({panels, k, kPanel}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t cols = std::min(kPanel, n - p * kPanel);
+      const float* rows = src + p * kPanel * k;
+      float* panel = dst + p * k * kPanel;
+      // Writes in order (one cache line per k), reads as `cols` sequential streams.
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t c = 0; c < cols; ++c) panel[i * kPanel + c] = rows[c * k + i];
+    }
+  });
+  return packed;
+}
+
+// x [M, K] (fp32/bf16) times a packed weight of `n` rows -> [M, n] fp32, on the `isa` code path.
+at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, const std::string& isa) {
+  const at::Tensor x = as_fp32_rows(x_in);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kFloat,
+              "kimi_parity: weight is not a packed panel tensor");
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k, "kimi_parity: K mismatch: input ", k, ", weight ", packed.size(1));
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "kimi_parity: bad N ", n);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const Kernels& kern = kernels_for(isa);
+  // Cache blocking (speed only): a task is one chunk of up to kChunkBlocks register blocks of
+  // rows (kept in L2) times one block of panels; a thread's consecutive tasks share the row
+  // chunk. How tasks fall to threads never changes an element's arithmetic.
+  const int64_t chunk_rows = kChunkBlocks * kern.max_rows;
+  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
+  const int64_t col_blocks = (panels + kern.max_panels - 1) / kern.max_panels;
+  // At least ~1 MFLOP per thread, so tiny products (decode) do not pay for waking threads.
+  const int64_t task_flops = 2 * std::min(m, chunk_rows) * kern.max_panels * kPanel * std::max<int64_t>(k, 1);
+  const int64_t grain = std::max<int64_t>(1, (1 << 20) / task_flops);
+  at::parallel_for(0, chunks * col_blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t cb = t % col_blocks, chunk = t / col_blocks;
+      const int64_t p0 = cb * kern.max_panels, np = std::min<int64_t>(kern.max_panels, panels - p0);
+      const int64_t c0 = p0 * kPanel, cols = std::min(np * kPanel, n - c0);
+      const int64_t chunk_end = std::min(m, (chunk + 1) * chunk_rows);
+      for (int64_t r0 = chunk * chunk_rows; r0 < chunk_end; r0 += kern.max_rows) {
+        const int64_t rows = std::min<int64_t>(kern.max_rows, chunk_end - r0);
+        kern.fn[rows - 1][np - 1](xp + r0 * k, k, wp + p0 * k * kPanel, k * kPanel, op + r0 * n + c0, n, cols);
+      }
+    }
+  });
+  return out;
+}
+
+// The same on the fastest path of this CPU (chosen once per process).
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  static const std::string fastest = isas().front();
+  return gemm_on(x, packed, n, fastest);
+}
+
+// The order above written as the plainest loop, on unpacked operands: the specification the
+// fast kernels are tested against bit for bit.
+at::Tensor gemm_reference(const at::Tensor& x_in, const at::Tensor& w_in) {
+  const at::Tensor x = as_fp32_rows(x_in), w = as_fp32_rows(w_in);
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(w.size(1) == k, "kimi_parity: K mismatch");
+  at::Tensor out = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0.0f;
+      for (int64_t kk = 0; kk < k; ++kk) acc = std::fmaf(xp[i * k + kk], wp[j * k + kk], acc);
+      op[i * n + j] = acc;
+    }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kimi_parity, lib) {
+  lib.def("pack(Tensor weight) -> Tensor", &pack);
+  lib.def("gemm(Tensor x, Tensor packed, int n) -> Tensor", &gemm);
+  lib.def("gemm_on(Tensor x, Tensor packed, int n, str isa) -> Tensor", &gemm_on);
+  lib.def("isas() -> str[]", &isas);
+  lib.def("gemm_reference(Tensor x, Tensor weight) -> Tensor", &gemm_reference);
+}
