@@ -57,34 +57,50 @@ def save_checkpoint(
     run_dir: str | Path, step: int, trainer: PolicyTrainer, extra: dict[str, Any], keep: int = 2
 ) -> Path:
     """Write checkpoint `step`, point `latest` at it, keep the `keep` newest; returns its dir."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    state = json.dumps({"step": step, "extra": extra}, indent=2) + "\n"  # fails before any write
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f"{TMP_PREFIX}*"):  # left behind by a save that crashed
-        shutil.rmtree(stale, ignore_errors=True)
-    name = step_dir_name(step)
+    root, name, state = begin_checkpoint(run_dir, step, extra, keep)
     tmp = root / f"{TMP_PREFIX}{name}"
     try:
         tmp.mkdir()
         _write_exports(tmp, trainer)
         _torch_save(trainer.state_dict(), tmp / "trainer.pt")
         (tmp / "state.json").write_text(state)
-        (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1) + "\n")  # last
-        _fsync_tree(tmp)
+        seal_checkpoint(tmp)
     except OSError as e:  # no space, a file-size limit, ...: the previous checkpoint stays
         shutil.rmtree(tmp, ignore_errors=True)
         previous = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
         kept = f"the previous checkpoint {root / previous} is intact" if previous else "no earlier checkpoint"
         raise CheckpointError(f"could not write checkpoint {root / name} ({type(e).__name__}: {e}); "
                               f"{kept}") from None
+    return publish_checkpoint(root, name, keep)
+
+
+def begin_checkpoint(run_dir: str | Path, step: int, extra: dict[str, Any], keep: int) -> tuple[Path, str, str]:
+    """(checkpoints root, step dir name, state.json text) of a save about to start, with the
+    temp dirs of a save that crashed removed. Fails before anything is written."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    state = json.dumps({"step": step, "extra": extra}, indent=2) + "\n"
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return root, step_dir_name(step), state
+
+
+def seal_checkpoint(tmp: Path) -> None:
+    """The manifest over every file written (last), then everything flushed to disk."""
+    (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1) + "\n")
+    _fsync_tree(tmp)
+
+
+def publish_checkpoint(root: Path, name: str, keep: int) -> Path:
+    """Rename the sealed temp dir to its step dir, point `latest` at it, prune to `keep`."""
     final = root / name
     if final.exists():  # saving a step again (e.g. after a resume): os.replace needs it gone
         old = root / f"{TMP_PREFIX}old-{name}"
         os.replace(final, old)
         shutil.rmtree(old)
-    os.replace(tmp, final)
+    os.replace(root / f"{TMP_PREFIX}{name}", final)
     _write_atomic(root / "latest", name + "\n")
     _prune(root, keep, name)
     return final

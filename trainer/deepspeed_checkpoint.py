@@ -13,8 +13,6 @@ writes everything but DeepSpeed's per-rank files.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,14 +23,12 @@ from safetensors.torch import save_file
 
 from trainer.checkpoint import (
     _WEIGHT_SUFFIXES,
-    MANIFEST,
     TMP_PREFIX,
     CheckpointError,
-    _fsync_tree,
-    _manifest,
-    _prune,
-    _write_atomic,
+    begin_checkpoint,
+    publish_checkpoint,
     read_checkpoint_state,
+    seal_checkpoint,
     step_dir_name,
 )
 from trainer.deepspeed_policy import DeepSpeedPolicyTrainer
@@ -49,19 +45,15 @@ def _barrier() -> None:
 def save_checkpoint(
     run_dir: str | Path, step: int, trainer: DeepSpeedPolicyTrainer, extra: dict[str, Any], keep: int = 2
 ) -> Path:
-    """Write checkpoint `step`, point `latest` at it, keep the `keep` newest; returns its dir."""
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    state = json.dumps({"step": step, "extra": extra}, indent=2) + "\n"  # fails before any write
-    root = Path(run_dir) / "checkpoints"
-    name = step_dir_name(step)
-    tmp, final = root / f"{TMP_PREFIX}{name}", root / name
+    """Write checkpoint `step`, point `latest` at it, keep the `keep` newest; returns its dir.
+    trainer.checkpoint's mechanics; every rank writes its ZeRO partitions, rank 0 the rest."""
     lead = trainer.rank == 0
     if lead:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(f"{TMP_PREFIX}*"):  # left behind by a save that crashed
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
+        root, name, state = begin_checkpoint(run_dir, step, extra, keep)
+        (root / f"{TMP_PREFIX}{name}").mkdir()
+    else:
+        root, name = Path(run_dir) / "checkpoints", step_dir_name(step)
+    tmp = root / f"{TMP_PREFIX}{name}"
     _barrier()
     trainer.engine.save(tmp / ENGINE_DIR, client_state={}, frozen=not trainer.lora_config.enabled)
     tensors = trainer.rollout_tensors()  # collective under ZeRO-3
@@ -70,18 +62,10 @@ def save_checkpoint(
         _write_exports(tmp, trainer, tensors)
         torch.save(trainer.state_dict(), tmp / "trainer.pt")
         (tmp / "state.json").write_text(state)
-        # Last, over every file (DeepSpeed's partitions too): resume verifies it (trainer.checkpoint).
-        (tmp / MANIFEST).write_text(json.dumps(_manifest(tmp), indent=1) + "\n")
-        _fsync_tree(tmp)
-        if final.exists():  # saving a step again (e.g. after a resume): os.replace needs it gone
-            old = root / f"{TMP_PREFIX}old-{name}"
-            os.replace(final, old)
-            shutil.rmtree(old)
-        os.replace(tmp, final)
-        _write_atomic(root / "latest", name + "\n")
-        _prune(root, keep, name)
+        seal_checkpoint(tmp)  # the manifest covers DeepSpeed's partitions too
+        publish_checkpoint(root, name, keep)
     _barrier()
-    return final
+    return root / name
 
 
 def _write_exports(out: Path, trainer: DeepSpeedPolicyTrainer, tensors: dict[str, torch.Tensor]) -> None:
