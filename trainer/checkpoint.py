@@ -61,7 +61,7 @@ def save_checkpoint(
     tmp = root / f"{TMP_PREFIX}{name}"
     try:
         tmp.mkdir()
-        _write_exports(tmp, trainer)
+        write_exports(tmp, trainer, trainer.rollout_tensors())
         _torch_save(trainer.state_dict(), tmp / "trainer.pt")
         (tmp / "state.json").write_text(state)
         seal_checkpoint(tmp)
@@ -136,18 +136,20 @@ def _torch_save(obj: Any, path: Path) -> None:
             raise
 
 
-def _write_exports(out: Path, trainer: PolicyTrainer) -> None:
+def write_exports(out: Path, trainer: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """What other tools load: the adapter in peft format (`tensors`: the trainer's
+    rollout_tensors), or without LoRA an HF model dir (config and tokenizer copied)."""
     cfg = trainer.lora_config
     if cfg.enabled:
         config = peft_config(cfg.rank, cfg.alpha, list(cfg.target_modules), str(trainer.model_dir))
-        save_peft(out / "adapter", trainer.rollout_tensors(), config)
+        save_peft(out / "adapter", tensors, config)
         return
     model = out / "model"
     model.mkdir()
     for src in sorted(trainer.model_dir.iterdir()):
         if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(src, model / src.name)
-    save_file(trainer.rollout_tensors(), str(model / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _sha256(path: Path) -> str:

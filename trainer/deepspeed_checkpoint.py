@@ -13,16 +13,13 @@ writes everything but DeepSpeed's per-rank files.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from trainer.checkpoint import (
-    _WEIGHT_SUFFIXES,
     TMP_PREFIX,
     CheckpointError,
     begin_checkpoint,
@@ -30,9 +27,9 @@ from trainer.checkpoint import (
     read_checkpoint_state,
     seal_checkpoint,
     step_dir_name,
+    write_exports,
 )
 from trainer.deepspeed_policy import DeepSpeedPolicyTrainer
-from trainer.lora import peft_config, save_peft
 
 ENGINE_DIR = "deepspeed"
 
@@ -59,27 +56,13 @@ def save_checkpoint(
     tensors = trainer.rollout_tensors()  # collective under ZeRO-3
     _barrier()  # every rank's partitions are written
     if lead:
-        _write_exports(tmp, trainer, tensors)
+        write_exports(tmp, trainer, tensors)
         torch.save(trainer.state_dict(), tmp / "trainer.pt")
         (tmp / "state.json").write_text(state)
         seal_checkpoint(tmp)  # the manifest covers DeepSpeed's partitions too
         publish_checkpoint(root, name, keep)
     _barrier()
     return root / name
-
-
-def _write_exports(out: Path, trainer: DeepSpeedPolicyTrainer, tensors: dict[str, torch.Tensor]) -> None:
-    cfg = trainer.lora_config
-    if cfg.enabled:
-        config = peft_config(cfg.rank, cfg.alpha, list(cfg.target_modules), str(trainer.model_dir))
-        save_peft(out / "adapter", tensors, config)
-        return
-    model = out / "model"
-    model.mkdir()
-    for src in sorted(trainer.model_dir.iterdir()):
-        if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(src, model / src.name)
-    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
 
 
 def load_checkpoint(path: str | Path, trainer: DeepSpeedPolicyTrainer) -> dict[str, Any]:
