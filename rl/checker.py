@@ -191,14 +191,6 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
             check_tp(ModelSpec.from_dir(model), tp_size)
         except ValueError as e:
             raise UserError(f"--tensor-parallel-size: {e}") from None
-    if ns.parity == "off":
-        from parity.model_spec import load_spec
-        from rollout.engine import check_stock_engine
-
-        try:
-            check_stock_engine(load_spec(model))
-        except ValueError as e:
-            raise UserError(f"--parity off: stock vLLM cannot run {model}: {e}") from None
     adapter = Path(ns.adapter) if getattr(ns, "adapter", None) else None
     if adapter is not None:
         if ns.parity != "on":
@@ -213,6 +205,14 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
                           {k: v.to(torch_dtype(ns.dtype)) for k, v in tensors.items()}, alpha / lora_rank)
         except ValueError as e:
             raise UserError(f"--adapter {adapter}: does not fit {model}: {e}") from None
+    if ns.parity == "off":
+        from parity.model_spec import load_spec
+        from rollout.engine import check_stock_engine
+
+        try:
+            check_stock_engine(load_spec(model))
+        except ValueError as e:
+            raise UserError(f"--parity off: stock vLLM cannot run {model}: {e}") from None
     try:
         sampling = Sampling(getattr(ns, "temperature", 1.0), getattr(ns, "top_p", 1.0),
                             getattr(ns, "top_k", 0))
