@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from parity import kernels, weights
-from parity.model_spec import load_spec
 from parity.sampling import Sampling, processed_logits
 from trainer import hf_lora
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
@@ -91,14 +90,7 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         sampling: Sampling | None = None,
         extensions_dir: str | None = None,
     ):
-        self.model_dir = Path(model_dir)
-        self.sampling = sampling or Sampling()
-        self.dtype, self.parity = dtype, True
-        self.lora_config = lora or LoraConfig()
-        self.config = trainer or TrainerConfig()
-        self.algorithm = algorithm or AlgorithmConfig()
-        self._check_configs()
-        self.spec = load_spec(model_dir)
+        self._settings(model_dir, dtype, True, lora, trainer, algorithm, sampling)
         torch.manual_seed(seed)
         model = load_hf_model(model_dir, dtype)
         targets = list(self.lora_config.target_modules)

@@ -143,14 +143,7 @@ class PolicyTrainer:
         seed: int = 0,
         sampling: Sampling | None = None,
     ):
-        self.model_dir = Path(model_dir)
-        self.sampling = sampling or Sampling()
-        self.dtype, self.parity = dtype, parity
-        self.lora_config = lora or LoraConfig()
-        self.config = trainer or TrainerConfig()
-        self.algorithm = algorithm or AlgorithmConfig()
-        self._check_configs()
-        self.spec = load_spec(model_dir)  # dense ModelSpec or KimiSpec (kimi-mini)
+        self._settings(model_dir, dtype, parity, lora, trainer, algorithm, sampling)
         self.model = load_model(model_dir, dtype, parity)
         targets = list(self.lora_config.target_modules)
         rank, alpha = self.lora_config.rank, self.lora_config.alpha
@@ -181,6 +174,19 @@ class PolicyTrainer:
         self._last_old_logprobs: list[Tensor] = []
 
     # --- setup ----------------------------------------------------------------------------
+
+    def _settings(self, model_dir, dtype: str, parity: bool, lora: LoraConfig | None,
+                  trainer: TrainerConfig | None, algorithm: AlgorithmConfig | None,
+                  sampling: Sampling | None) -> None:
+        """The settings every trainer backend holds (defaults filled in, checked) and the spec."""
+        self.model_dir = Path(model_dir)
+        self.sampling = sampling or Sampling()
+        self.dtype, self.parity = dtype, parity
+        self.lora_config = lora or LoraConfig()
+        self.config = trainer or TrainerConfig()
+        self.algorithm = algorithm or AlgorithmConfig()
+        self._check_configs()
+        self.spec = load_spec(model_dir)  # dense ModelSpec or KimiSpec (kimi-mini)
 
     def _check_configs(self) -> None:
         if self.config.tensor_parallel_size != 1:
