@@ -32,7 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from parity import native
+from parity import native, tp
 from parity.autograd import InvariantLinear, RecomputeAttention
 
 # Elements per transcendental call: below torch's parallel grain (32768), so one thread runs
@@ -93,29 +93,56 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().sum(-1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k_splits: int = 1
+) -> torch.Tensor:
     """y = x @ weight.T (+ bias), for x of shape [..., K] and weight [N, K].
 
     Invariant by construction: the compiled GEMM (parity/csrc/gemm.cpp) computes every output
     element as one fp32 fused-multiply-add chain over k = 0..K-1, whatever M, the row's
     position, the thread count or the ISA; bf16 operands are widened exactly and the result is
-    rounded once to x's dtype. Gradients (training only) come from plain GEMMs: they need not
-    be bitwise reproducible across batch shapes, only correct.
+    rounded once to x's dtype. With `k_splits` = S (a row-parallel layer's K-order,
+    parity.tp.row_splits) the chain restarts at each of S equal K-slices and the S partials are
+    added in order in fp32 before the one rounding: the order a TP shard over whole slices
+    reproduces (`linear_partials` + parity.tp.rank_ordered_sum). Gradients (training only) come
+    from plain GEMMs: they need not be bitwise reproducible across batch shapes, only correct.
     """
-    if x.is_cuda:
-        return _cuda().linear(x, weight, bias)
-    if not INVARIANT:
+    if not INVARIANT and not x.is_cuda:
         return F.linear(x, weight, bias)
+    if x.is_cuda and k_splits == 1:
+        return _cuda().linear(x, weight, bias)
+    forward = functools.partial(_linear_fixed_order, k_splits=k_splits)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        out = InvariantLinear.apply(x, weight, _linear_fixed_order)
+        out = InvariantLinear.apply(x, weight, forward)
     else:
-        out = _linear_fixed_order(x, weight)
+        out = forward(x, weight)
     return out if bias is None else out + bias
 
 
-def _linear_fixed_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, k_splits: int) -> torch.Tensor:
+    """The `k_splits` partial products of `linear` (x's K cut into equal contiguous slices, each
+    one fp32 FMA chain) unsummed: fp32 [k_splits, ..., N]. A row-parallel rank's share of the
+    cross-rank sum (parity.tp.rank_ordered_sum adds every rank's partials in order). No
+    gradient: callers wrap it (InvariantLinear) with the plain linear's."""
     if x.dtype != weight.dtype:
         raise TypeError(f"linear: input is {x.dtype} but weight is {weight.dtype}")
+    rows = x.detach().reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    if x.is_cuda:  # fp32 operands (bf16 widened exactly): the partials are never rounded
+        w, k = weight.detach().float(), x.shape[-1] // k_splits
+        parts = torch.stack([
+            _cuda().linear_forward(rows[:, s * k : (s + 1) * k].float(), w[:, s * k : (s + 1) * k])
+            for s in range(k_splits)
+        ])
+    else:
+        parts = native.ops().gemm(rows, native.ops().pack(weight.detach()), weight.shape[0], k_splits, False)
+    return parts.view(k_splits, *x.shape[:-1], weight.shape[0])
+
+
+def _linear_fixed_order(x: torch.Tensor, weight: torch.Tensor, k_splits: int = 1) -> torch.Tensor:
+    if x.dtype != weight.dtype:
+        raise TypeError(f"linear: input is {x.dtype} but weight is {weight.dtype}")
+    if x.is_cuda:
+        return tp.rank_ordered_sum(linear_partials(x, weight, k_splits), x.dtype)
     # Rows counted explicitly: reshape(-1, 0) is ambiguous for K = 0 (a zero-width expert).
     rows = x.detach().reshape(math.prod(x.shape[:-1]), x.shape[-1])
     # Packed on every call (O(N K), against the product's O(M N K)). A pack kept on the tensor
@@ -123,32 +150,37 @@ def _linear_fixed_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # default_weight_loader in a full-weight sync, Megatron's fp16 optimizer copying main
     # params back) do not bump the parameter's version, so a cached pack would silently keep
     # the old weights.
-    out = native.ops().gemm(rows, native.ops().pack(weight.detach()), weight.shape[0])
+    out = native.ops().gemm(rows, native.ops().pack(weight.detach()), weight.shape[0], k_splits, True)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
-def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The GEMM's summation order in plain PyTorch, for tests: acc = fma(x[:, k], w[:, k], acc)
-    in fp32 for k = 0..K-1 from +0, rounded once to x's dtype.
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, k_splits: int = 1) -> torch.Tensor:
+    """The GEMM's summation order in plain PyTorch, for tests: per K-slice s (k_splits equal
+    slices) acc_s = fma(x[:, k], w[:, k], acc_s) in fp32 over the slice's k in order from +0,
+    then ((acc_0 + acc_1) + acc_2) + ... in fp32, rounded once to x's dtype.
 
     torch has no fp32 FMA, so each step is emulated exactly in fp64: the product of two fp32
     values is exact in fp64; the sum is rounded to odd (round to nearest, then, if inexact and
     the result is even, step one ulp toward the exact sum found by TwoSum), and a round-to-odd
     fp64 value rounds to the correctly rounded fp32 value (53 >= 24 + 2 bits).
     """
-    rows = x.reshape(-1, x.shape[-1]).double()
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).double()
     w = weight.double()
-    acc = torch.zeros(rows.shape[0], w.shape[0], dtype=torch.float64)
-    for k in range(rows.shape[1]):
-        p = rows[:, k : k + 1] * w[:, k]
-        s = p + acc
-        b = s - p
-        err = (p - (s - b)) + (acc - b)
-        even = (s.view(torch.int64) & 1) == 0
-        toward = torch.where(err > 0, math.inf, -math.inf).double()
-        s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
-        acc = s.float().double()
-    return acc.float().to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+    width = rows.shape[1] // k_splits
+    total = None
+    for s in range(k_splits):
+        acc = torch.zeros(rows.shape[0], w.shape[0], dtype=torch.float64)
+        for k in range(s * width, (s + 1) * width):
+            p = rows[:, k : k + 1] * w[:, k]
+            t = p + acc
+            b = t - p
+            err = (p - (t - b)) + (acc - b)
+            even = (t.view(torch.int64) & 1) == 0
+            toward = torch.where(err > 0, math.inf, -math.inf).double()
+            t = torch.where((err != 0) & even, torch.nextafter(t, toward), t)
+            acc = t.float().double()
+        total = acc.float() if total is None else total + acc.float()
+    return total.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,11 @@ Shards (rank r of `size`), the same on the rollout and the trainer (they are Meg
   row is never sampled and never in a log-softmax's normaliser;
 - the embedding lookup is exact whichever rank holds a row; norms are replicated.
 
-The cross-rank sum of a row-parallel layer is `rank_ordered_sum`: every rank all-gathers the
-partial products (a copy, exact) and adds them in rank order, in fp32, then casts to the model
-dtype. A backend all-reduce (gloo ring, vLLM's shared-memory reduce) picks its order and
+The cross-rank sum of a row-parallel layer is `rank_ordered_sum`: every rank computes its
+partial products in fp32 (`kernels.linear_partials`: its share of the layer's `row_splits`
+K-slices, never rounded), all-gathers them (a copy, exact) and adds them in slice order, in
+fp32, then casts to the model dtype. With TP = 1 the GEMM adds the same slices' partials in the
+same order inside the kernel, so any two TP sizes give the same bits. A backend all-reduce (gloo ring, vLLM's shared-memory reduce) picks its order and
 precision from the backend, the message size and the world: the same two partials could give
 different bits on the two sides. This sum depends on the partials alone.
 
@@ -27,6 +29,8 @@ sum. The delta therefore has the bits of the TP=1 delta on both sides, whatever 
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -41,6 +45,19 @@ def check_tp(spec, size: int) -> None:
     ):  # the vocabulary is padded instead (padded_vocab)
         if n % size:
             raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={size}")
+
+
+# The fused linears (parity.lora.FUSED_PARTS) that are row-parallel under TP.
+ROW_PARALLEL = ("o", "down")
+
+
+def row_splits(num_heads: int, num_kv_heads: int, intermediate_size: int) -> int:
+    """The K-slice count of the row-parallel layers (o_proj, down_proj): every TP size that
+    check_tp accepts divides it, and it divides both layers' K (num_heads * head_dim and
+    intermediate_size). Fixed by the model config alone, so a rank of any TP size holds whole
+    slices, and TP = 1 and TP = N add the same fp32 partials in the same order: the trainer and
+    the rollout may shard differently and still agree bit for bit."""
+    return math.gcd(num_heads, num_kv_heads, intermediate_size)
 
 
 def shard_rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -96,7 +113,8 @@ def shard_delta_cols(delta: torch.Tensor, fused: str, rank: int, size: int) -> t
 
 
 def rank_ordered_sum(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """parts [size, ...] (the all-gathered partial products, rank order) -> their sum.
+    """parts [S, ...] (the all-gathered fp32 K-slice partials, in slice order = rank order)
+    -> their sum.
 
     ((p0 + p1) + p2) + ... in fp32, rounded once to `dtype`. Element-wise adds only, so the
     bits depend on the partials and their order alone (not on shapes, threads or backend)."""

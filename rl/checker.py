@@ -54,7 +54,8 @@ class CheckArgs:
     seed: int
     report: Path | None
     max_num_batched_tokens: int | None
-    tensor_parallel_size: int = 1
+    rollout_tp: int = 1  # vLLM's tensor-parallel size
+    trainer_tp: int = 1  # Megatron's
     adapter: Path | None = None  # a peft LoRA adapter directory, applied on both sides
     sampling: Sampling = Sampling()  # what vLLM samples from; both sides score that distribution
     cuda_graphs: bool = False  # vLLM's default mode (torch.compile + CUDA graphs) instead of eager
@@ -103,6 +104,10 @@ def add_parity_commands(subparsers) -> None:
         "--tensor-parallel-size", type=int, default=1,
         help="TP degree of both sides: vLLM workers and Megatron ranks (gloo), default 1",
     )
+    check.add_argument("--rollout-tp", type=int, default=None,
+                       help="vLLM's TP degree, if not --tensor-parallel-size's")
+    check.add_argument("--trainer-tp", type=int, default=None,
+                       help="Megatron's TP degree, if not --tensor-parallel-size's")
     check.add_argument("--temperature", type=float, default=1.0,
                        help="sampling temperature (>= 1e-5), default 1")
     check.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, (0, 1]; 1 = off")
@@ -181,16 +186,24 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
     if prompts is not None:
         load_prompt_file(prompts)  # fail on a bad line before any engine starts
     tp_size = getattr(ns, "tensor_parallel_size", 1)
-    if tp_size < 1:
-        raise UserError(f"--tensor-parallel-size must be >= 1, got {tp_size}")
-    if tp_size > 1:
-        from parity.model_spec import ModelSpec
-        from parity.tp import check_tp
+    sizes = {
+        "--rollout-tp": tp_size if getattr(ns, "rollout_tp", None) is None else ns.rollout_tp,
+        "--trainer-tp": tp_size if getattr(ns, "trainer_tp", None) is None else ns.trainer_tp,
+    }
+    for flag, size in sizes.items():
+        # The flag that set the size, so the message names what the user typed.
+        named = flag if getattr(ns, flag[2:].replace("-", "_"), None) is not None else "--tensor-parallel-size"
+        if size < 1:
+            raise UserError(f"{named} must be >= 1, got {size}")
+        if size > 1:
+            from parity.model_spec import ModelSpec
+            from parity.tp import check_tp
 
-        try:
-            check_tp(ModelSpec.from_dir(model), tp_size)
-        except ValueError as e:
-            raise UserError(f"--tensor-parallel-size: {e}") from None
+            try:
+                check_tp(ModelSpec.from_dir(model), size)
+            except ValueError as e:
+                raise UserError(f"{named}: {e}") from None
+    rollout_tp, trainer_tp = sizes["--rollout-tp"], sizes["--trainer-tp"]
     adapter = Path(ns.adapter) if getattr(ns, "adapter", None) else None
     if adapter is not None:
         if ns.parity != "on":
@@ -220,9 +233,9 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         flag, _, rest = str(e).partition(" ")
         raise UserError(f"--{flag.replace('_', '-')} {rest}") from None
     trainer = getattr(ns, "trainer", "megatron")
-    if trainer == "deepspeed" and (ns.parity != "on" or tp_size > 1):
+    if trainer == "deepspeed" and (ns.parity != "on" or trainer_tp > 1):
         raise UserError("--trainer deepspeed re-scores with the HF parity model: it needs "
-                        "--parity on and --tensor-parallel-size 1")
+                        "--parity on and --trainer-tp 1")
     report = Path(ns.report) if ns.report else None
     if report is not None and report.exists() and not report.is_dir():
         raise UserError(f"--report: {report} exists and is not a directory")
@@ -230,7 +243,7 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         model=model, dtype=ns.dtype, prompts=prompts, num_prompts=ns.num_prompts,
         max_tokens=ns.max_tokens, batch_sizes=_parse_batch_sizes(ns.batch_sizes),
         parity=ns.parity == "on", seed=ns.seed, report=report,
-        max_num_batched_tokens=ns.max_num_batched_tokens, tensor_parallel_size=tp_size,
+        max_num_batched_tokens=ns.max_num_batched_tokens, rollout_tp=rollout_tp, trainer_tp=trainer_tp,
         adapter=adapter, sampling=sampling, cuda_graphs=getattr(ns, "cuda_graphs", "off") == "on",
         trainer=trainer, zero_stage=getattr(ns, "zero_stage", 2),
     )
@@ -303,7 +316,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
             max_model_len=min(spec.max_position_embeddings, too_long + 1),
             max_num_seqs=max(args.batch_sizes),
             max_num_batched_tokens=args.max_num_batched_tokens,
-            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_size=args.rollout_tp,
             enforce_eager=not args.cuda_graphs,
         ) as engine:
             if adapter is not None:
@@ -331,7 +344,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
             args, [c.prompt_ids + c.token_ids for c in completions], [len(c.prompt_ids) for c in completions],
             adapter,
         )
-    elif args.tensor_parallel_size > 1:
+    elif args.trainer_tp > 1:
         train_logprobs = score_tensor_parallel(
             args, [c.prompt_ids + c.token_ids for c in completions], [len(c.prompt_ids) for c in completions],
             adapter,
@@ -372,7 +385,8 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "batch_sizes": args.batch_sizes,
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "rollout_tp": args.rollout_tp,
+        "trainer_tp": args.trainer_tp,
         "adapter": str(args.adapter) if args.adapter else None,
         "sampling": dataclasses.asdict(args.sampling),
         "trainer": args.trainer,
@@ -444,7 +458,7 @@ def _score_rank(
 def score_tensor_parallel(
     args: CheckArgs, sequences: list[list[int]], starts: list[int], adapter=None
 ) -> list[torch.Tensor]:
-    """Re-score with Megatron at TP = args.tensor_parallel_size: that many processes (gloo,
+    """Re-score with Megatron at TP = args.trainer_tp: that many processes (gloo,
     torch.multiprocessing), every rank scoring every sequence; rank 0's log-probs come back
     (the logits are all-gathered, so every rank holds the same). `adapter`, optional:
     (peft tensors, rank, alpha, targets), a LoRA adapter attached on every rank."""
@@ -454,7 +468,7 @@ def score_tensor_parallel(
 
     from trainer.megatron_patches import free_port
 
-    size = args.tensor_parallel_size
+    size = args.trainer_tp
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "logprobs.pt")
         mp.spawn(

@@ -340,22 +340,24 @@ def _check(cfg: Config, sources: _Sources) -> None:
         if module not in LORA_MODULES:
             raise err(f"lora.target_modules[{i}]", f"expected one of {', '.join(LORA_MODULES)}; "
                       f"got {module!r}")
-    tp_rollout, tp_trainer = cfg.rollout.tensor_parallel_size, cfg.trainer.tensor_parallel_size
-    if cfg.parity.enabled and tp_rollout != tp_trainer:
-        # Name the key the file (or an override) sets, so the message carries its line.
-        sizes = {"rollout.tensor_parallel_size": tp_rollout, "trainer.tensor_parallel_size": tp_trainer}
-        key = "rollout.tensor_parallel_size"
-        if key not in sources.by_key:
-            key = "trainer.tensor_parallel_size"
-        (other,) = set(sizes) - {key}
-        raise err(key, f"is {sizes[key]} but {other} is {sizes[other]}: with parity on both "
-                  "sides must shard the same way (the cross-rank sums differ in order otherwise, "
-                  "so their log-probs could not match)")
-    for key, size in (("rollout.tensor_parallel_size", tp_rollout),
-                      ("trainer.tensor_parallel_size", tp_trainer)):
-        if size > 1:
-            raise err(key, f"is {size}: kimi-rl train runs tensor_parallel_size 1 only (TP=2 "
-                      "parity is checked by `kimi-rl parity check --tensor-parallel-size 2`)")
+    # Any rollout TP against the trainer's: the row-parallel K-order is fixed by the model
+    # (parity.tp.row_splits), so the two sides agree bit for bit at different TP sizes.
+    if cfg.trainer.tensor_parallel_size > 1:
+        raise err("trainer.tensor_parallel_size", f"is {cfg.trainer.tensor_parallel_size}: kimi-rl "
+                  "train runs the trainer at TP=1 (Megatron at TP=N is checked by `kimi-rl parity "
+                  "check --trainer-tp N`); rollout.tensor_parallel_size may be larger")
+    if cfg.rollout.tensor_parallel_size > 1:
+        from parity.model_spec import ModelSpec, load_spec
+        from parity.tp import check_tp
+
+        spec = load_spec(model_dir)
+        if not isinstance(spec, ModelSpec):
+            raise err("rollout.tensor_parallel_size", f"is {cfg.rollout.tensor_parallel_size}: "
+                      f"tensor parallelism is for dense Llama / Qwen3 models; {model_dir} is not one")
+        try:
+            check_tp(spec, cfg.rollout.tensor_parallel_size)
+        except ValueError as e:
+            raise err("rollout.tensor_parallel_size", str(e)) from None
     try:
         cfg.rollout.sampling()
     except ValueError as e:  # a temperature vLLM would treat as greedy

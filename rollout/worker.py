@@ -30,13 +30,16 @@ class RolloutWorker:
     def __init__(
         self, index: int, model_dir: str, *, dtype: str, parity: bool, seed: int,
         max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int | None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         _set_threads()
         self.index = index
+        # TP workers are processes of their own, so TP > 1 keeps vLLM's EngineCore process
+        # (whose sampling a reseed cannot pin down exactly: RolloutEngine.reseed).
         self.engine = RolloutEngine(
             model_dir, dtype=dtype, parity=parity, seed=seed, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            multiprocess=False,
+            multiprocess=tensor_parallel_size > 1, tensor_parallel_size=tensor_parallel_size,
         )
 
     def generate(

@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from parity import kernels, layouts
+from parity import kernels, layouts, tp
 from parity.lora import FUSED_PARTS, fused_delta, part_shapes
 from parity.model_spec import KimiSpec, ModelSpec, load_spec
 from parity.sampling import Sampling
@@ -129,7 +129,11 @@ def fused_linear(fused: str, x: torch.Tensor, owner: nn.Module, spec: ModelSpec)
         weight = layouts.pack_gate_up(*weights)
     else:
         weight = weights[0]
-    out = kernels.linear(x, weight)
+    # The row-parallel layers' K-order, as every engine at every TP size computes them.
+    k_splits = 1
+    if fused in tp.ROW_PARALLEL:
+        k_splits = tp.row_splits(spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
+    out = kernels.linear(x, weight, k_splits=k_splits)
     pairs, scaling = _active_pairs(modules, x.dtype)
     if not pairs:
         return out

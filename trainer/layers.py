@@ -6,6 +6,8 @@ the tensor-parallel plumbing (region copies, gathers, all-reduces) stays Megatro
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
@@ -16,6 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parity import kernels, tp
+from parity.autograd import InvariantLinear
 
 
 def _parity_linear(input, weight, bias, allreduce_dgrad, tp_group, **_):
@@ -70,23 +73,21 @@ def with_lora_hook(linear: torch.nn.Module) -> torch.nn.Module:
     return linear
 
 
-class _RankOrderedReduce(torch.autograd.Function):
-    """The row-parallel cross-rank sum of parity.tp.rank_ordered_sum (all-gather the partials,
-    add them in rank order in fp32, round once), the rollout's exact sum. Backward is the
-    identity, as for Megatron's all-reduce: the output is replicated, so is its gradient."""
+def row_splits(config: TransformerConfig) -> int:
+    """parity.tp.row_splits of the model this config builds (o_proj and down_proj's K-order)."""
+    return tp.row_splits(config.num_attention_heads, config.num_query_groups or config.num_attention_heads,
+                         config.ffn_hidden_size)
 
-    @staticmethod
-    def forward(ctx, partial, group):
-        import torch.distributed as dist
 
-        partial = partial.contiguous()
-        parts = [torch.empty_like(partial) for _ in range(group.size())]
-        dist.all_gather(parts, partial, group=group)
-        return tp.rank_ordered_sum(parts, partial.dtype)
+def _rank_ordered_linear(x: torch.Tensor, weight: torch.Tensor, k_splits: int, group) -> torch.Tensor:
+    """The row-parallel product of parity.tp.rank_ordered_sum: the rank's fp32 K-slice partials,
+    all-gathered, added in slice order in fp32, rounded once (the rollout's exact sum)."""
+    import torch.distributed as dist
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    partials = kernels.linear_partials(x, weight, k_splits).contiguous()
+    parts = [torch.empty_like(partials) for _ in range(group.size())]
+    dist.all_gather(parts, partials, group=group)
+    return tp.rank_ordered_sum(torch.cat(parts), x.dtype)
 
 
 class ParityColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
@@ -109,7 +110,8 @@ class ParityColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
 
 class ParityRowParallelLinear(_LoRAMixin, RowParallelLinear):
     def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, tp_group=None, **kw):
-        return _parity_linear(input, weight, bias, allreduce_dgrad, tp_group)
+        assert not allreduce_dgrad, "a row-parallel input is already sharded"
+        return kernels.linear(input, weight, bias, k_splits=row_splits(self.config))
 
     def forward(self, input_):
         if self.tp_group.size() == 1:
@@ -117,7 +119,12 @@ class ParityRowParallelLinear(_LoRAMixin, RowParallelLinear):
         # TP: the rank's partial product, then the deterministic rank-ordered sum in place of
         # Megatron's backend all-reduce (parity.tp explains why).
         assert self.input_is_parallel and not self.sequence_parallel and self.bias is None
-        out = _RankOrderedReduce.apply(_parity_linear(input_, self.weight, None, False, None), self.tp_group)
+        # Backward is the local plain linear's, as for Megatron's all-reduce (identity): the
+        # output is replicated, so is its gradient.
+        forward = functools.partial(
+            _rank_ordered_linear, k_splits=row_splits(self.config) // self.tp_group.size(), group=self.tp_group
+        )
+        out = InvariantLinear.apply(input_, self.weight, forward)
         adapter = self.active_adapter()
         if adapter is not None:
             # Replicated adapter on the full input (exact all-gather of the shards), added once.

@@ -9,6 +9,13 @@
 // block; for any M. Threads split rows and column panels, never k. bf16 inputs are widened to
 // fp32 (exact), accumulated in fp32 and rounded once by the caller.
 //
+// K-splits (the tensor-parallel order, parity/tp.py): with `splits` = S > 1, K is cut into S
+// equal contiguous slices, each element's chain restarts from +0.0f at every slice boundary,
+// and the S partial sums are added in slice order in fp32: ((p0 + p1) + p2) + ...  A
+// row-parallel shard over whole slices computes the same partials on fewer columns, so TP = 1
+// and TP = N give the same bits when the ranks' partials are added in rank order. `sum` = false
+// returns the partials themselves ([S, M, N]) for that cross-rank sum.
+//
 // Registered as torch.ops.kimi_parity.{pack, gemm, gemm_on, isas, gemm_reference}; loaded by
 // parity/native.py.
 // Compiled with -ffp-contract=off: the only fused operations are the explicit FMAs below.
@@ -36,13 +43,14 @@ constexpr int64_t kChunkBlocks = 12;  // register blocks of rows per cache-block
 
 // ---------------------------------------------------------------------------------------------
 // Micro-kernels: MR rows x NP consecutive 16-column panels, k = 0..K-1 in order.
-// x: row-major fp32 with row stride K; panels: NP x [K][16] fp32, `pstride` floats apart; out:
-// MR rows at stride ldo, `cols` (1 .. NP * 16) valid columns.
+// x: row-major fp32 with row stride lda; panels: NP x [K][16] fp32, `pstride` floats apart; out:
+// MR rows at stride ldo, `cols` (1 .. NP * 16) valid columns, stored (add = false) or added to
+// what out holds (add = true: out = out + acc, one fp32 add, the next K-slice's partial).
 
 template <int MR, int NP>
 __attribute__((target("avx512f,fma"))) void block_avx512(
-    const float* x, int64_t K, const float* panels, int64_t pstride, float* out, int64_t ldo,
-    int64_t cols) {
+    const float* x, int64_t lda, int64_t K, const float* panels, int64_t pstride, float* out,
+    int64_t ldo, int64_t cols, bool add) {
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
@@ -50,21 +58,30 @@ __attribute__((target("avx512f,fma"))) void block_avx512(
     __m512 w[NP];
     for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_ps(panels + p * pstride + k * kPanel);
     for (int r = 0; r < MR; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * K + k]);
+      const __m512 a = _mm512_set1_ps(x[r * lda + k]);
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(a, w[p], acc[r][p]);
     }
   }
   for (int p = 0; p < NP; ++p) {
     const int64_t c = std::min<int64_t>(kPanel, cols - p * kPanel);
     const __mmask16 mask = static_cast<__mmask16>((1u << c) - 1u);
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo + p * kPanel, mask, acc[r][p]);
+    for (int r = 0; r < MR; ++r) {
+      float* dst = out + r * ldo + p * kPanel;
+      const __m512 v = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), acc[r][p]) : acc[r][p];
+      _mm512_mask_storeu_ps(dst, mask, v);
+    }
   }
+}
+
+// Writes `cols` finished sums, or adds them to what `out` holds (the next K-slice's partial).
+inline void store(const float* acc, float* out, int64_t cols, bool add) {
+  for (int64_t c = 0; c < cols; ++c) out[c] = add ? out[c] + acc[c] : acc[c];
 }
 
 template <int MR, int NP>
 __attribute__((target("avx2,fma"))) void block_avx2(
-    const float* x, int64_t K, const float* panels, int64_t pstride, float* out, int64_t ldo,
-    int64_t cols) {
+    const float* x, int64_t lda, int64_t K, const float* panels, int64_t pstride, float* out,
+    int64_t ldo, int64_t cols, bool add) {
   static_assert(NP == 1, "AVX2 blocks are one panel wide (16 registers)");
   __m256 lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
@@ -72,7 +89,7 @@ __attribute__((target("avx2,fma"))) void block_avx2(
     const __m256 wl = _mm256_loadu_ps(panels + k * kPanel);
     const __m256 wh = _mm256_loadu_ps(panels + k * kPanel + 8);
     for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_set1_ps(x[r * K + k]);
+      const __m256 a = _mm256_set1_ps(x[r * lda + k]);
       lo[r] = _mm256_fmadd_ps(a, wl, lo[r]);
       hi[r] = _mm256_fmadd_ps(a, wh, hi[r]);
     }
@@ -81,23 +98,23 @@ __attribute__((target("avx2,fma"))) void block_avx2(
   for (int r = 0; r < MR; ++r) {
     _mm256_store_ps(tmp, lo[r]);
     _mm256_store_ps(tmp + 8, hi[r]);
-    std::copy(tmp, tmp + cols, out + r * ldo);
+    store(tmp, out + r * ldo, cols, add);
   }
 }
 
 template <int MR, int NP>
-void block_scalar(const float* x, int64_t K, const float* panels, int64_t pstride, float* out,
-                  int64_t ldo, int64_t cols) {
+void block_scalar(const float* x, int64_t lda, int64_t K, const float* panels, int64_t pstride,
+                  float* out, int64_t ldo, int64_t cols, bool add) {
   static_assert(NP == 1, "scalar blocks are one panel wide");
   for (int r = 0; r < MR; ++r)
     for (int64_t c = 0; c < cols; ++c) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc = std::fmaf(x[r * K + k], panels[k * kPanel + c], acc);
-      out[r * ldo + c] = acc;
+      for (int64_t k = 0; k < K; ++k) acc = std::fmaf(x[r * lda + k], panels[k * kPanel + c], acc);
+      out[r * ldo + c] = add ? out[r * ldo + c] + acc : acc;
     }
 }
 
-using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool);
 
 // The register blocking of one ISA: fn[rows - 1][panels - 1] for rows <= max_rows and
 // panels <= max_panels. Blocking changes speed only, never an element's arithmetic.
@@ -164,8 +181,11 @@ at::Tensor pack(const at::Tensor& weight) {
   return packed;
 }
 
-// x [M, K] (fp32/bf16) times a packed weight of `n` rows -> [M, n] fp32, on the `isa` code path.
-at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, const std::string& isa) {
+// x [M, K] (fp32/bf16) times a packed weight of `n` rows, K cut into `splits` slices, on the
+// `isa` code path -> [M, n] fp32, the slices' partials added in order (sum = true), or the
+// partials [splits, M, n] (sum = false).
+at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, const std::string& isa,
+                   int64_t splits, bool sum) {
   const at::Tensor x = as_fp32_rows(x_in);
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
                   packed.scalar_type() == at::kFloat,
@@ -173,20 +193,24 @@ at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == k, "kimi_parity: K mismatch: input ", k, ", weight ", packed.size(1));
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "kimi_parity: bad N ", n);
-  at::Tensor out = at::empty({m, n}, x.options());
+  TORCH_CHECK(splits >= 1 && k % splits == 0, "kimi_parity: K = ", k, " is not ", splits, " equal slices");
+  at::Tensor out = sum ? at::empty({m, n}, x.options()) : at::empty({splits, m, n}, x.options());
   if (m == 0 || n == 0) return out;
+  if (k == 0) return out.zero_();
+  const int64_t ks = k / splits;
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const Kernels& kern = kernels_for(isa);
   // Cache blocking (speed only): a task is one chunk of up to kChunkBlocks register blocks of
   // rows (kept in L2) times one block of panels; a thread's consecutive tasks share the row
-  // chunk. How tasks fall to threads never changes an element's arithmetic.
+  // chunk. How tasks fall to threads never changes an element's arithmetic, and one task runs
+  // an element's slices in order.
   const int64_t chunk_rows = kChunkBlocks * kern.max_rows;
   const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
   const int64_t col_blocks = (panels + kern.max_panels - 1) / kern.max_panels;
   // At least ~1 MFLOP per thread, so tiny products (decode) do not pay for waking threads.
-  const int64_t task_flops = 2 * std::min(m, chunk_rows) * kern.max_panels * kPanel * std::max<int64_t>(k, 1);
+  const int64_t task_flops = 2 * std::min(m, chunk_rows) * kern.max_panels * kPanel * k;
   const int64_t grain = std::max<int64_t>(1, (1 << 20) / task_flops);
   at::parallel_for(0, chunks * col_blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -196,7 +220,11 @@ at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
       const int64_t chunk_end = std::min(m, (chunk + 1) * chunk_rows);
       for (int64_t r0 = chunk * chunk_rows; r0 < chunk_end; r0 += kern.max_rows) {
         const int64_t rows = std::min<int64_t>(kern.max_rows, chunk_end - r0);
-        kern.fn[rows - 1][np - 1](xp + r0 * k, k, wp + p0 * k * kPanel, k * kPanel, op + r0 * n + c0, n, cols);
+        for (int64_t s = 0; s < splits; ++s) {
+          float* dst = op + (sum ? 0 : s * m * n) + r0 * n + c0;
+          kern.fn[rows - 1][np - 1](xp + r0 * k + s * ks, k, ks, wp + p0 * k * kPanel + s * ks * kPanel,
+                                    k * kPanel, dst, n, cols, sum && s > 0);
+        }
       }
     }
   });
@@ -204,26 +232,32 @@ at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
 }
 
 // The same on the fastest path of this CPU (chosen once per process).
-at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t splits, bool sum) {
   static const std::string fastest = isas().front();
-  return gemm_on(x, packed, n, fastest);
+  return gemm_on(x, packed, n, fastest, splits, sum);
 }
 
 // The order above written as the plainest loop, on unpacked operands: the specification the
 // fast kernels are tested against bit for bit.
-at::Tensor gemm_reference(const at::Tensor& x_in, const at::Tensor& w_in) {
+at::Tensor gemm_reference(const at::Tensor& x_in, const at::Tensor& w_in, int64_t splits) {
   const at::Tensor x = as_fp32_rows(x_in), w = as_fp32_rows(w_in);
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   TORCH_CHECK(w.size(1) == k, "kimi_parity: K mismatch");
+  TORCH_CHECK(splits >= 1 && k % splits == 0, "kimi_parity: K = ", k, " is not ", splits, " equal slices");
+  const int64_t ks = k / splits;
   at::Tensor out = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) {
-      float acc = 0.0f;
-      for (int64_t kk = 0; kk < k; ++kk) acc = std::fmaf(xp[i * k + kk], wp[j * k + kk], acc);
-      op[i * n + j] = acc;
+      float total = 0.0f;
+      for (int64_t s = 0; s < splits; ++s) {
+        float acc = 0.0f;
+        for (int64_t kk = s * ks; kk < (s + 1) * ks; ++kk) acc = std::fmaf(xp[i * k + kk], wp[j * k + kk], acc);
+        total = s == 0 ? acc : total + acc;
+      }
+      op[i * n + j] = total;
     }
   return out;
 }
@@ -232,8 +266,8 @@ at::Tensor gemm_reference(const at::Tensor& x_in, const at::Tensor& w_in) {
 
 TORCH_LIBRARY(kimi_parity, lib) {
   lib.def("pack(Tensor weight) -> Tensor", &pack);
-  lib.def("gemm(Tensor x, Tensor packed, int n) -> Tensor", &gemm);
-  lib.def("gemm_on(Tensor x, Tensor packed, int n, str isa) -> Tensor", &gemm_on);
+  lib.def("gemm(Tensor x, Tensor packed, int n, int splits=1, bool sum=True) -> Tensor", &gemm);
+  lib.def("gemm_on(Tensor x, Tensor packed, int n, str isa, int splits=1, bool sum=True) -> Tensor", &gemm_on);
   lib.def("isas() -> str[]", &isas);
-  lib.def("gemm_reference(Tensor x, Tensor weight) -> Tensor", &gemm_reference);
+  lib.def("gemm_reference(Tensor x, Tensor weight, int splits=1) -> Tensor", &gemm_reference);
 }

@@ -1,13 +1,15 @@
-"""Tensor parallelism, TP=2 on both sides, real vLLM (two worker processes) and real Megatron
-(two gloo ranks), tiny dense Llama.
+"""Tensor parallelism, real vLLM (two worker processes) and real Megatron (two gloo ranks), tiny
+dense Llama and Qwen3, fp32 and bf16.
 
-- `kimi-rl parity check --tensor-parallel-size 2` (rl.checker.run_check): every sampled
-  token's log-prob is torch.equal between vLLM TP=2 and Megatron TP=2, fp32 and bf16 (bf16 with
-  an odd vocabulary, padded on both sides).
-- With a LoRA adapter on every linear (replicated, parity/tp.py), the same holds.
+- Cross-layout `kimi-rl parity check --rollout-tp A --trainer-tp B` (rl.checker.run_check):
+  every sampled token's log-prob is torch.equal between vLLM at TP=A and Megatron at TP=B, in
+  both directions (2 -> 1 and 1 -> 2), on both architectures and both dtypes (bf16 with an odd
+  vocabulary, padded at TP=2). It holds because the row-parallel layers' K-order is fixed by
+  the model (parity.tp.row_splits): TP=1 adds the same fp32 slice partials in the same order
+  as the ranks' all-gathered ones.
+- The same tokens re-scored by Megatron at TP=2 and TP=1: the same bits (TP=2 on both sides).
+- With a LoRA adapter on every linear (replicated, parity/tp.py), TP=2 on both sides.
 - Full-weight sync and checksums under TP=2: the caller sends and reads full tensors.
-- TP=2 vs TP=1 on the trainer: measured, not hidden (the rank-ordered sum adds the two halves of
-  each row-parallel product in another order than the TP=1 GEMM, so the bits move a little).
 """
 
 from __future__ import annotations
@@ -31,75 +33,65 @@ def prompt_file(tmp_path_factory):
     return write_prompt_file(tmp_path_factory.mktemp("prompts"), PROMPT_LENS)
 
 
-def _args(model_dir, dtype, prompt_file, tp=TP) -> CheckArgs:
+def _args(model_dir, dtype, prompt_file, rollout_tp=TP, trainer_tp=TP) -> CheckArgs:
     return CheckArgs(
         model=Path(model_dir), dtype=dtype, prompts=prompt_file, num_prompts=len(PROMPT_LENS),
         max_tokens=12, batch_sizes=BATCH_SIZES, parity=True, seed=0, report=None,
-        max_num_batched_tokens=BUDGET, tensor_parallel_size=tp,
+        max_num_batched_tokens=BUDGET, rollout_tp=rollout_tp, trainer_tp=trainer_tp,
     )
 
 
-def _assert_bitwise(result) -> None:
+def _assert_bitwise(result, rollout_tp: int, trainer_tp: int) -> None:
     expected = sum(-(-len(PROMPT_LENS) // bs) * bs for bs in BATCH_SIZES)
     assert len(result.completions) == len(result.train_logprobs) == expected
     for c, train in zip(result.completions, result.train_logprobs, strict=True):
         assert len(c.token_ids) > 0
         assert torch.equal(c.rollout_logprobs, train), (len(c.prompt_ids), c.rollout_logprobs - train)
     report = result.report
-    assert report["tensor_parallel_size"] == TP
+    assert (report["rollout_tp"], report["trainer_tp"]) == (rollout_tp, trainer_tp)
     assert report["passed"] and report["bitwise_equal_fraction"] == 1.0
     assert report["max_abs_diff"] == report["kl_k1"] == report["kl_k3"] == 0.0
+    print(f"\nrollout TP={rollout_tp} vs trainer TP={trainer_tp}, {report['dtype']}: "
+          f"{report['tokens_compared']} tokens, bitwise fraction {report['bitwise_equal_fraction']}")
 
 
 @pytest.fixture(scope="module")
-def fp32_result(model_factory, prompt_file):
-    return run_check(_args(model_factory("llama", "fp32"), "fp32", prompt_file))
+def llama_fp32_2to1(model_factory, prompt_file):
+    """vLLM at TP=2, Megatron at TP=1 (in this process)."""
+    return run_check(_args(model_factory("llama", "fp32"), "fp32", prompt_file, rollout_tp=2, trainer_tp=1))
 
 
-def test_tp2_parity_fp32(fp32_result):
-    _assert_bitwise(fp32_result)
-    print(f"\nTP=2 fp32: {fp32_result.report['tokens_compared']} tokens, bitwise fraction "
-          f"{fp32_result.report['bitwise_equal_fraction']}, seconds {fp32_result.report['seconds']}")
+def test_cross_layout_llama_fp32_rollout_tp2_trainer_tp1(llama_fp32_2to1):
+    _assert_bitwise(llama_fp32_2to1, 2, 1)
 
 
-def test_tp2_parity_bf16_odd_vocabulary(tmp_path, prompt_file):
-    """A vocabulary of 515 rows does not split over 2 ranks: both sides pad it with zero rows
-    to 516 (parity/tp.py) and cut the padded logit off before anything reads it."""
+def test_trainer_tp2_scores_the_tp1_bits(model_factory, llama_fp32_2to1):
+    """The same vLLM TP=2 samples re-scored by Megatron at TP=2 (two gloo ranks): equal to the
+    TP=1 trainer's log-probs and to vLLM's, bit for bit (so TP=2 on both sides holds too)."""
+    cs = llama_fp32_2to1.completions
+    args = _args(model_factory("llama", "fp32"), "fp32", None)
+    tp2 = score_tensor_parallel(args, [c.prompt_ids + c.token_ids for c in cs], [len(c.prompt_ids) for c in cs])
+    for c, t1, t2 in zip(cs, llama_fp32_2to1.train_logprobs, tp2, strict=True):
+        assert torch.equal(t1, t2) and torch.equal(c.rollout_logprobs, t2)
+
+
+def test_cross_layout_llama_bf16_odd_vocabulary_rollout_tp1_trainer_tp2(tmp_path, prompt_file):
+    """A vocabulary of 515 rows does not split over 2 ranks: the TP=2 side pads it with zero
+    rows to 516 (parity/tp.py) and cuts the padded logit off before anything reads it."""
     from rl.models import init_model
 
     model = init_model("llama", "tiny", 0, tmp_path / "odd", "bf16", overrides={"vocab_size": 515})
-    result = run_check(_args(model, "bf16", prompt_file))
-    _assert_bitwise(result)
+    result = run_check(_args(model, "bf16", prompt_file, rollout_tp=1, trainer_tp=2))
+    _assert_bitwise(result, 1, 2)
     assert all(t < 515 for c in result.completions for t in c.token_ids)
-    print(f"\nTP=2 bf16, vocab 515: {result.report['tokens_compared']} tokens, bitwise fraction "
-          f"{result.report['bitwise_equal_fraction']}")
 
 
-def test_tp2_vs_tp1_trainer_logprobs(model_factory, fp32_result, megatron):
-    """The same tokens scored by Megatron at TP=1 (this process) and TP=2 (the check's ranks).
-    Measured on this CPU: ~1/3 of the tokens bitwise equal, max |Δlogp| ~3e-6 (fp32): the
-    row-parallel sum of two half-K GEMMs is not the one full-K GEMM. That is why both sides
-    must run the same TP degree (the config refuses otherwise)."""
-    from trainer.logprobs import sequence_logprobs
-    from trainer.model import load_model
+def test_cross_layout_qwen3_bf16_rollout_tp2_trainer_tp1(model_factory, prompt_file):
+    _assert_bitwise(run_check(_args(model_factory("qwen3", "bf16"), "bf16", prompt_file, 2, 1)), 2, 1)
 
-    model = load_model(model_factory("llama", "fp32"), "fp32").eval()
-    cs = fp32_result.completions
-    with torch.no_grad():
-        tp1 = []
-        for i in range(0, len(cs), 8):
-            chunk = cs[i : i + 8]
-            tp1 += sequence_logprobs(
-                model, [c.prompt_ids + c.token_ids for c in chunk], [len(c.prompt_ids) for c in chunk]
-            )
-    a, b = torch.cat(tp1), torch.cat(fp32_result.train_logprobs)
-    diff = (a - b).abs()
-    frac, max_diff = (diff == 0).double().mean().item(), diff.max().item()
-    print(f"\ntrainer TP=1 vs TP=2 (fp32, {a.numel()} tokens): bitwise fraction {frac:.4f}, "
-          f"max |dlogp| {max_diff:.3e}, mean {diff.mean().item():.3e}")
-    # What is true here: TP changes bits, by a rounding-sized amount (same model).
-    assert 0.0 < max_diff < 1e-4
-    assert frac < 1.0
+
+def test_cross_layout_qwen3_fp32_rollout_tp1_trainer_tp2(model_factory, prompt_file):
+    _assert_bitwise(run_check(_args(model_factory("qwen3", "fp32"), "fp32", prompt_file, 1, 2)), 1, 2)
 
 
 def _random_adapter(spec, rank: int, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -166,7 +158,7 @@ def test_tp2_lora_and_weight_sync(model_factory, prompt_file):
         assert torch.equal(p[len(c.prompt_ids) - 1 :], t)
 
 
-def test_config_refuses_mismatched_or_unsupported_tp(model_factory, tmp_path):
+def test_config_takes_any_rollout_tp_and_refuses_trainer_tp(model_factory, tmp_path):
     from rl.config import ConfigError, load_config
 
     path = tmp_path / "c.yaml"
@@ -174,10 +166,12 @@ def test_config_refuses_mismatched_or_unsupported_tp(model_factory, tmp_path):
         f"run_dir: {tmp_path / 'run'}\ntotal_steps: 3\nmodel: {{path: {model_factory('llama', 'fp32')}}}\n"
         "rollout:\n  tensor_parallel_size: 2\n"
     )
-    with pytest.raises(ConfigError, match=rf"{path}:5: rollout.tensor_parallel_size: is 2 but "
-                       "trainer.tensor_parallel_size is 1"):
+    assert load_config(path).rollout.tensor_parallel_size == 2  # against the trainer's 1
+    path.write_text(path.read_text().replace("tensor_parallel_size: 2", "tensor_parallel_size: 3"))
+    with pytest.raises(ConfigError, match=rf"{path}:5: rollout.tensor_parallel_size: "
+                       "num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
         load_config(path)
-    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size: is 2: kimi-rl train runs"):
+    with pytest.raises(ConfigError, match="trainer.tensor_parallel_size: is 2: kimi-rl train runs the trainer at TP=1"):
         load_config(path, ["trainer.tensor_parallel_size=2"])
 
 
@@ -189,3 +183,6 @@ def test_check_cli_refuses_indivisible_tp(model_factory, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "--tensor-parallel-size: num_attention_heads=4 is not divisible by" in err
+    code = main(["parity", "check", "--model", model_factory("llama", "fp32"), "--trainer-tp", "3"])
+    assert code == 2
+    assert "--trainer-tp: num_attention_heads=4 is not divisible by" in capsys.readouterr().err

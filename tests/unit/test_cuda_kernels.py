@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity import cuda, kernels
+from parity import cuda, kernels, tp
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
@@ -287,6 +287,34 @@ def test_gpu_linear_row_invariant(rows, k, n, dtype, seed, pick):
     ref = x.double() @ w.double().t()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert (full.double() - ref).norm() / ref.norm() < tol
+
+
+@gpu
+@GPU_SETTINGS
+@given(
+    rows=st.integers(1, 200), per_slice=st.sampled_from([16, 48, 100, 288]),
+    splits=st.sampled_from([2, 3, 4, 8]), n=st.sampled_from([32, 192, 1000]), dtype=DTYPES,
+    seed=st.integers(0, 2**16), pick=st.integers(0, 199),
+)
+def test_gpu_linear_k_splits_equal_tp_shards(rows, per_slice, splits, n, dtype, seed, pick):
+    """The row-parallel K-order on the GPU (parity.tp.row_splits): TP=1 equals every TP size
+    that divides the slice count (rank partials all-gathered, rank-ordered sum), bitwise, and
+    a row's bits do not depend on the batch."""
+    k = splits * per_slice
+    x = _randn(seed, rows, k, dtype=dtype, device="cuda")
+    w = _randn(seed + 1, n, k, dtype=dtype, device="cuda")
+    tp1 = kernels.linear(x, w, k_splits=splits)
+    i = pick % rows
+    assert torch.equal(kernels.linear(x[i : i + 1], w, k_splits=splits)[0], tp1[i])
+    for size in (s for s in range(2, splits + 1) if splits % s == 0):
+        parts = [
+            kernels.linear_partials(tp.shard_cols(x, r, size), tp.shard_cols(w, r, size), splits // size)
+            for r in range(size)
+        ]
+        assert torch.equal(tp.rank_ordered_sum(torch.cat(parts), dtype), tp1), size
+    ref = x.double() @ w.double().t()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (tp1.double() - ref).norm() / ref.norm() < tol
 
 
 @gpu

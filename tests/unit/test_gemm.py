@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity import kernels
+from parity import kernels, tp
 from parity.native import ops
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
@@ -31,14 +31,34 @@ def threads():
 
 @settings(max_examples=30, deadline=None)
 @given(m=st.integers(1, 200), n=st.integers(1, 1100), k=st.integers(1, 1100), dtype=DTYPES,
-       seed=st.integers(0, 2**16))
-def test_every_code_path_equals_the_scalar_reference(m, n, k, dtype, seed):
+       splits=st.sampled_from([1, 1, 2, 3, 4, 8]), seed=st.integers(0, 2**16))
+def test_every_code_path_equals_the_scalar_reference(m, n, k, dtype, splits, seed):
+    k = max(splits, k - k % splits)  # whole K-slices
     x, w = _randn(seed, m, k, dtype=dtype), _randn(seed + 1, n, k, dtype=dtype)
-    reference = ops().gemm_reference(x, w)
+    reference = ops().gemm_reference(x, w, splits)
     packed = ops().pack(w)
     for isa in ops().isas():
-        assert torch.equal(ops().gemm_on(x, packed, n, isa), reference), isa
-    assert torch.equal(kernels.linear(x, w), reference.to(dtype))
+        assert torch.equal(ops().gemm_on(x, packed, n, isa, splits, True), reference), isa
+    assert torch.equal(kernels.linear(x, w, k_splits=splits), reference.to(dtype))
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 60), n=st.integers(1, 300), per_slice=st.integers(1, 120), dtype=DTYPES,
+       splits=st.sampled_from([2, 4, 6, 8]), seed=st.integers(0, 2**16))
+def test_tp_shards_over_whole_slices_give_the_tp1_bits(m, n, per_slice, dtype, splits, seed):
+    """The TP-compatible K-order: any TP size dividing the slice count, each rank's fp32
+    partials of its column shard all-gathered in rank order and added by rank_ordered_sum,
+    equals the TP = 1 product (the kernel's in-place slice sum), bit for bit."""
+    k = splits * per_slice
+    x, w = _randn(seed, m, k, dtype=dtype), _randn(seed + 1, n, k, dtype=dtype)
+    tp1 = kernels.linear(x, w, k_splits=splits)
+    assert torch.equal(tp1, kernels.linear_reference(x, w, splits))
+    for size in (s for s in range(2, splits + 1) if splits % s == 0):
+        parts = [
+            kernels.linear_partials(tp.shard_cols(x, r, size), tp.shard_cols(w, r, size), splits // size)
+            for r in range(size)
+        ]
+        assert torch.equal(tp.rank_ordered_sum(torch.cat(parts), dtype), tp1), size
 
 
 @settings(max_examples=15, deadline=None)
@@ -49,6 +69,8 @@ def test_scalar_reference_is_the_torch_statement_of_the_order(m, n, k, dtype, se
     x = _randn(seed, m, k, dtype=dtype) * torch.logspace(-3, 3, k).to(dtype)
     w = _randn(seed + 1, n, k, dtype=dtype)
     assert torch.equal(kernels.linear_reference(x, w), ops().gemm_reference(x, w).to(dtype))
+    if k % 3 == 0:
+        assert torch.equal(kernels.linear_reference(x, w, 3), ops().gemm_reference(x, w, 3).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
