@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parity import kernels, layouts
+from parity import kernels, layouts, tp
 from parity.model_spec import ModelSpec
 from rollout.engine import RolloutEngine
 
@@ -47,6 +47,7 @@ def reference_logprobs(model_dir: str, dtype: torch.dtype, seq: list[int]) -> to
     pos = torch.arange(n)
     rope = kernels.rope_table(s.head_dim, s.rope_theta, s.max_position_embeddings)
     eps = s.rms_norm_eps
+    splits = tp.row_splits(s.num_heads, s.num_kv_heads, s.intermediate_size)  # o/down K-order
     x = kernels.embedding(ids, w["model.embed_tokens.weight"])
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
@@ -64,10 +65,11 @@ def reference_logprobs(model_dir: str, dtype: torch.dtype, seq: list[int]) -> to
             q, k.unsqueeze(0), v.unsqueeze(0), torch.zeros(n, dtype=torch.long), pos,
             kernels.attention_scale(s.head_dim),
         )
-        x = x + kernels.linear(o.reshape(n, -1), w[p + "self_attn.o_proj.weight"])
+        x = x + kernels.linear(o.reshape(n, -1), w[p + "self_attn.o_proj.weight"], k_splits=splits)
         h = kernels.rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         gate_up = layouts.pack_gate_up(w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"])
-        x = x + kernels.linear(kernels.silu_and_mul(kernels.linear(h, gate_up)), w[p + "mlp.down_proj.weight"])
+        act = kernels.silu_and_mul(kernels.linear(h, gate_up))
+        x = x + kernels.linear(act, w[p + "mlp.down_proj.weight"], k_splits=splits)
     x = kernels.rms_norm(x, w["model.norm.weight"], eps)
     head = w["model.embed_tokens.weight"] if s.tie_word_embeddings else w["lm_head.weight"]
     return kernels.token_logprobs(kernels.linear(x, head)[:-1], ids[1:])
