@@ -60,6 +60,15 @@ def row_splits(num_heads: int, num_kv_heads: int, intermediate_size: int) -> int
     return math.gcd(num_heads, num_kv_heads, intermediate_size)
 
 
+def fused_k_splits(spec, fused: str, size: int = 1) -> int:
+    """The K-slices a rank of `size` computes for fused linear `fused` of `spec`
+    (parity.model_spec.ModelSpec): its share of row_splits for a row-parallel layer, 1 (one
+    chain over the whole K) for a column-parallel one."""
+    if fused not in ROW_PARALLEL:
+        return 1
+    return row_splits(spec.num_heads, spec.num_kv_heads, spec.intermediate_size) // size
+
+
 def shard_rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """Column-parallel shard (QKV grouped per KV head, lm-head/embedding vocab rows)."""
     return t.chunk(size, dim=0)[rank].contiguous() if size > 1 else t

@@ -73,10 +73,7 @@ class _FusedLinear(_Weight):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.out_features = {n: shapes[n][1] for n in parts}
         self.num_kv_heads = spec.num_kv_heads
-        # A row-parallel layer's K-order: the model's K-slices, this rank's share of them.
-        self.k_splits = 1
-        if fused in tp.ROW_PARALLEL:
-            self.k_splits = tp.row_splits(spec.num_heads, spec.num_kv_heads, spec.intermediate_size) // tp_size
+        self.k_splits = tp.fused_k_splits(spec, fused, tp_size)  # this rank's K-slices
         self.pairs: dict[str, Pair] = {}  # HF target -> (A [r, in], B [out, r]), model dtype
         self.scaling = 0.0
 
@@ -102,7 +99,7 @@ class _FusedLinear(_Weight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1 and self.fused in tp.ROW_PARALLEL:
-            # The trainer's sum (trainer.layers._RankOrderedReduce): all-gather the fp32
+            # The trainer's sum (trainer.layers._rank_ordered_linear): all-gather the fp32
             # partials of the rank's K-slices, add them in slice order in fp32, round once.
             from vllm.distributed import tensor_model_parallel_all_gather
 

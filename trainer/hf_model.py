@@ -130,10 +130,7 @@ def fused_linear(fused: str, x: torch.Tensor, owner: nn.Module, spec: ModelSpec)
     else:
         weight = weights[0]
     # The row-parallel layers' K-order, as every engine at every TP size computes them.
-    k_splits = 1
-    if fused in tp.ROW_PARALLEL:
-        k_splits = tp.row_splits(spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
-    out = kernels.linear(x, weight, k_splits=k_splits)
+    out = kernels.linear(x, weight, k_splits=tp.fused_k_splits(spec, fused))
     pairs, scaling = _active_pairs(modules, x.dtype)
     if not pairs:
         return out
