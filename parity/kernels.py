@@ -93,8 +93,19 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().sum(-1)
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The compiled GEMM's packed layout of a weight [N, K] (a copy: bytes moved, none
+    changed), for `linear(..., packed=)` by a caller that holds the weight fixed and drops the
+    pack whenever it writes the weight; None where `linear` takes no pack (CUDA, or the
+    invariant kernels switched off)."""
+    if weight.is_cuda or not INVARIANT:
+        return None
+    return native.ops().pack(weight.detach())
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k_splits: int = 1
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k_splits: int = 1,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ weight.T (+ bias), for x of shape [..., K] and weight [N, K].
 
@@ -106,12 +117,14 @@ def linear(
     added in order in fp32 before the one rounding: the order a TP shard over whole slices
     reproduces (`linear_partials` + parity.tp.rank_ordered_sum). Gradients (training only) come
     from plain GEMMs: they need not be bitwise reproducible across batch shapes, only correct.
+    `packed` (CPU: `pack(weight)`, made by the caller since its last write of the weight) skips
+    the per-call pack; without it the weight is packed on every call.
     """
     if not INVARIANT and not x.is_cuda:
         return F.linear(x, weight, bias)
     if x.is_cuda and k_splits == 1:
         return _cuda().linear(x, weight, bias)
-    forward = functools.partial(_linear_fixed_order, k_splits=k_splits)
+    forward = functools.partial(_linear_fixed_order, k_splits=k_splits, packed=packed)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         out = InvariantLinear.apply(x, weight, forward)
     else:
@@ -119,11 +132,14 @@ def linear(
     return out if bias is None else out + bias
 
 
-def linear_partials(x: torch.Tensor, weight: torch.Tensor, k_splits: int) -> torch.Tensor:
+def linear_partials(
+    x: torch.Tensor, weight: torch.Tensor, k_splits: int, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """The `k_splits` partial products of `linear` (x's K cut into equal contiguous slices, each
     one fp32 FMA chain) unsummed: fp32 [k_splits, ..., N]. A row-parallel rank's share of the
     cross-rank sum (parity.tp.rank_ordered_sum adds every rank's partials in order). No
-    gradient: callers wrap it (InvariantLinear) with the plain linear's."""
+    gradient: callers wrap it (InvariantLinear) with the plain linear's. `packed`: as in
+    `linear`."""
     if x.dtype != weight.dtype:
         raise TypeError(f"linear: input is {x.dtype} but weight is {weight.dtype}")
     rows = x.detach().reshape(math.prod(x.shape[:-1]), x.shape[-1])
@@ -134,23 +150,29 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, k_splits: int) -> tor
             for s in range(k_splits)
         ])
     else:
-        parts = native.ops().gemm(rows, native.ops().pack(weight.detach()), weight.shape[0], k_splits, False)
+        if packed is None:
+            packed = native.ops().pack(weight.detach())
+        parts = native.ops().gemm(rows, packed, weight.shape[0], k_splits, False)
     return parts.view(k_splits, *x.shape[:-1], weight.shape[0])
 
 
-def _linear_fixed_order(x: torch.Tensor, weight: torch.Tensor, k_splits: int = 1) -> torch.Tensor:
+def _linear_fixed_order(
+    x: torch.Tensor, weight: torch.Tensor, k_splits: int = 1, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     if x.dtype != weight.dtype:
         raise TypeError(f"linear: input is {x.dtype} but weight is {weight.dtype}")
     if x.is_cuda:
         return tp.rank_ordered_sum(linear_partials(x, weight, k_splits), x.dtype)
     # Rows counted explicitly: reshape(-1, 0) is ambiguous for K = 0 (a zero-width expert).
     rows = x.detach().reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    # Packed on every call (O(N K), against the product's O(M N K)). A pack kept on the tensor
-    # and keyed by its version counter went stale: writes through `param.data` (vLLM's
-    # default_weight_loader in a full-weight sync, Megatron's fp16 optimizer copying main
-    # params back) do not bump the parameter's version, so a cached pack would silently keep
-    # the old weights.
-    out = native.ops().gemm(rows, native.ops().pack(weight.detach()), weight.shape[0], k_splits, True)
+    # Without a caller's pack: packed here, on every call (O(N K), against the product's
+    # O(M N K)). A pack cached on the tensor and keyed by its version counter went stale:
+    # writes through `param.data` (vLLM's default_weight_loader, Megatron's fp16 optimizer
+    # copying main params back) do not bump the version. Only an owner that sees every write
+    # of its weights keeps packs (rollout.sync.PackedWeight).
+    if packed is None:
+        packed = native.ops().pack(weight.detach())
+    out = native.ops().gemm(rows, packed, weight.shape[0], k_splits, True)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
@@ -248,36 +270,44 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: tuple[torch.Tens
 
 
 def _entry_bmm(a: torch.Tensor, b: torch.Tensor, entries: int) -> torch.Tensor:
-    """a [..., M, K] @ b [..., K, N] as one torch.bmm over `entries` independent products.
+    """a [..., M, K] @ b [..., K, N] as `entries` independent products, in a's dtype.
 
-    Invariant because: every entry is a GEMM of a shape fixed by the model config
-    ([g, D] x [D, KV_BLOCK] for scores, [g, KV_BLOCK] x [KV_BLOCK, D] for values), both operands
-    made contiguous in the same layout on every call; torch's CPU bmm computes entries
-    independently with a kernel chosen by the entry shape, so an entry's bits do not depend on
-    how many entries share the call (checked in tests/unit/test_kernels.py)."""
+    Invariant by construction: the compiled `bmm` (parity/csrc/gemm.cpp) computes every element
+    of every entry as one fp32 FMA chain over k in order (the GEMM's order), so an entry's bits
+    depend on its own operands only, never on how many entries share the call. (torch.bmm, which
+    this replaced, picks MKL's kernel from the whole batch: on an AVX-512 EPYC one entry alone, or
+    among 3, got other bits than among 2 - attention at batch 1 then disagreed with training.)"""
     shape = a.shape[:-1] + b.shape[-1:]
-    out = torch.bmm(
-        a.reshape(entries, *a.shape[-2:]).contiguous(), b.reshape(entries, *b.shape[-2:]).contiguous()
-    )
-    return out.view(shape)
+    if a.is_cuda:  # the CUDA attention is its own kernel (parity/cuda.py); the indexer's dots
+        return torch.bmm(a.reshape(entries, *a.shape[-2:]), b.reshape(entries, *b.shape[-2:])).view(shape)
+    out = native.ops().bmm(a.reshape(entries, *a.shape[-2:]), b.reshape(entries, *b.shape[-2:]))
+    return out.to(a.dtype).view(shape)
 
 
 def _attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    """The contiguous form (training, k and v [R, L, Hkv, D]) as the paged walk over a cache
+    whose slot of (sequence r, position t) is r * L + t: one code path for both engines."""
+    num_seqs, length, hkv, d = k.shape
+    kv = torch.stack([k, v], dim=2).view(num_seqs * length, 2, hkv, d)
+    slots = torch.arange(num_seqs * length).view(num_seqs, length)
+    return _paged_attention_forward(q, kv, slots, q_seq, q_pos, scale)
+
+
+def _paged_attention_forward(
+    q: torch.Tensor, kv_cache: torch.Tensor, ctx_slots: torch.Tensor, q_seq: torch.Tensor,
+    q_pos: torch.Tensor, scale: float,
+) -> torch.Tensor:
     nq, hq, d = q.shape
-    num_seqs, length, hkv, _ = k.shape
+    hkv = kv_cache.shape[2]
     g = hq // hkv
+    length = ctx_slots.shape[1]
     padded = -(-length // KV_BLOCK) * KV_BLOCK
-    if padded != length:
-        k = F.pad(k, (0, 0, 0, 0, 0, padded - length))
-        v = F.pad(v, (0, 0, 0, 0, 0, padded - length))
+    if padded != length:  # positions past the context read slot 0 and are masked below
+        ctx_slots = F.pad(ctx_slots, (0, padded - length))
     qf = q.float().view(nq, hkv, g, d)
-    # Keys as [R, hkv, D, L] and values as [R, hkv, L, D], once per call: each block below is
-    # then one gather, already in the layout its products take.
-    kt = k.float().permute(0, 2, 3, 1).contiguous()
-    vt = v.float().transpose(1, 2).contiguous()
     m = torch.full((nq, hkv, g), -math.inf)
     denom = torch.zeros(nq, hkv, g)
     acc = torch.zeros(nq, hkv, g, d)
@@ -290,10 +320,13 @@ def _attention_forward(
         # position alone (decode and whole-sequence forms agree block for block).
         rows = slice(None) if j == 0 else (q_pos >= start).nonzero().squeeze(1)
         valid = (start + offsets).unsqueeze(0) <= q_pos[rows].unsqueeze(1)  # [n, B]
-        seqs = q_seq[rows]
-        n = seqs.numel()
-        kb = kt[seqs, :, :, start : start + KV_BLOCK]  # [n, hkv, d, B], a fresh contiguous copy
-        vb = vt[seqs, :, start : start + KV_BLOCK]  # [n, hkv, B, d]
+        n = valid.shape[0]
+        # The block's keys and values, read from the cache in place (one gather of the block's
+        # slots, no per-step copy of whole contexts), widened to fp32 straight into the
+        # layouts the products take: keys [n, hkv, D, B], values [n, hkv, B, D].
+        block = kv_cache[ctx_slots[q_seq[rows], start : start + KV_BLOCK]]  # [n, B, 2, hkv, D]
+        kb = torch.empty(n, hkv, d, KV_BLOCK).copy_(block[:, :, 0].permute(0, 2, 3, 1))
+        vb = torch.empty(n, hkv, KV_BLOCK, d).copy_(block[:, :, 1].transpose(1, 2))
         # Masked slots may hold garbage (a paged cache's unused slots): replace, never multiply.
         vb.masked_fill_(~valid[:, None, :, None], 0.0)
         scores = _entry_bmm(qf[rows], kb, n * hkv) * scale  # [n, hkv, g, B]
@@ -367,6 +400,25 @@ def attention(
     if not INVARIANT:
         return _attention_reference(q, k, v, q_seq, q_pos, scale)
     return RecomputeAttention.apply(q, k, v, q_seq, q_pos, scale, _attention_forward, _attention_reference)
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, ctx_slots: torch.Tensor, q_seq: torch.Tensor,
+    q_pos: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """`attention` over a paged KV cache, read in place (inference only: no gradient).
+
+    kv_cache: [S, 2, Hkv, D], slot-major (slot s holds a key at [s, 0] and its value at
+    [s, 1]); ctx_slots: [R, L] int64, the slot of each sequence's positions 0..L-1 (any slot
+    past a sequence's end: it is never attended). Each 64-key block is gathered from the cache
+    when the walk reaches it, into the same values and layouts `attention` builds from
+    contiguous keys, so a query's bits are the same in both forms: `attention` is this walk
+    over a cache whose slots are the contiguous positions.
+    """
+    if q.is_cuda or not INVARIANT:
+        ctx = kv_cache[ctx_slots]  # [R, L, 2, Hkv, D]
+        return attention(q, ctx[:, :, 0], ctx[:, :, 1], q_seq, q_pos, scale)
+    return _paged_attention_forward(q, kv_cache, ctx_slots, q_seq, q_pos, scale)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A vLLM attention backend whose math is `parity.kernels.attention`, over vLLM's paged KV cache.
+"""A vLLM attention backend whose math is `parity.kernels.paged_attention`, over vLLM's paged KV cache.
 
 Only the parity models use it (they pass it as `attn_backend=` to vLLM's `Attention` layer);
 stock models in the same process keep vLLM's own CPU attention.
@@ -15,10 +15,11 @@ Metadata. `ParityAttentionMetadataBuilder.build` runs once per step (shared by a
 turns vLLM's common metadata (query_start_loc, seq_lens, block_table, slot_mapping) into what
 the kernel needs: for each scheduled query token its request index `q_seq` and absolute
 position `q_pos = seq_len - query_len + j`, and for each request the cache slots of its
-positions 0..L-1 (L = the longest seq_len in the step). Every layer then gathers its keys and
-values with one index and calls the kernel once for the whole batch: prefill, decode, chunked
-prefill (a later chunk reads the earlier chunks' keys from the cache) and mixed batches are the
-same code path. Tokens beyond the scheduled ones (padding) are not attended and get a zero
+positions 0..L-1 (L = the longest seq_len in the step). Every layer then calls
+`kernels.paged_attention` once for the whole batch, which reads each 64-key block out of the
+cache in place as its walk reaches it (no per-step copy of the contexts): prefill, decode,
+chunked prefill (a later chunk reads the earlier chunks' keys from the cache) and mixed batches
+are the same code path. Tokens beyond the scheduled ones (padding) are not attended and get a zero
 output.
 """
 
@@ -196,12 +197,10 @@ class ParityAttentionImpl(AttentionImpl[ParityAttentionMetadata]):
             raise RuntimeError(
                 f"KV cache block size {kv_cache.shape[2]} != metadata block size {attn_metadata.block_size}"
             )
-        cache = _slot_view(kv_cache, self.num_kv_heads, self.head_size)
-        ctx = cache[attn_metadata.ctx_slots]  # [R, L, 2, Hkv, D]
-        out = kernels.attention(
+        out = kernels.paged_attention(
             query[:n].view(n, self.num_heads, self.head_size),
-            ctx[:, :, 0],
-            ctx[:, :, 1],
+            _slot_view(kv_cache, self.num_kv_heads, self.head_size),
+            attn_metadata.ctx_slots,
             attn_metadata.q_seq,
             attn_metadata.q_pos,
             self.scale,

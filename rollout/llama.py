@@ -39,7 +39,7 @@ from parity import kernels, layouts, tp, weights
 from parity.lora import FUSED_PARTS, TARGETS, Pair, fused_delta, part_shapes, peft_key
 from parity.model_spec import ModelSpec
 from rollout.attention import ParityAttentionBackend
-from rollout.sync import SyncedModel
+from rollout.sync import PackedWeight, SyncedModel
 
 
 class _Weight(nn.Module):
@@ -50,7 +50,7 @@ class _Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class _FusedLinear(_Weight):
+class _FusedLinear(PackedWeight):
     """A fused linear ("qkv" | "o" | "gate_up" | "down") that can hold a LoRA adapter.
 
     The adapter's pairs are a plain dict attribute, not registered parameters or buffers:
@@ -103,10 +103,10 @@ class _FusedLinear(_Weight):
             # partials of the rank's K-slices, add them in slice order in fp32, round once.
             from vllm.distributed import tensor_model_parallel_all_gather
 
-            parts = tensor_model_parallel_all_gather(kernels.linear_partials(x, self.weight, self.k_splits), dim=0)
-            out = tp.rank_ordered_sum(parts, x.dtype)
+            parts = kernels.linear_partials(x, self.weight, self.k_splits, packed=self.pack())
+            out = tp.rank_ordered_sum(tensor_model_parallel_all_gather(parts, dim=0), x.dtype)
         else:
-            out = kernels.linear(x, self.weight, k_splits=self.k_splits)
+            out = kernels.linear(x, self.weight, k_splits=self.k_splits, packed=self.pack())
         if not self.pairs:
             return out
         # The adapter is replicated and sees the full input (parity/tp.py): a row-parallel
@@ -201,7 +201,7 @@ class ParityModel(nn.Module):
         super().__init__()
         self.spec = spec
         # Replicated under TP: a lookup is exact whichever rank holds the row.
-        self.embed_tokens = _Weight(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.embed_tokens = PackedWeight(spec.vocab_size, spec.hidden_size, dtype=dtype)  # tied: the head
         self.layers = nn.ModuleList(
             ParityDecoderLayer(spec, dtype, cache_config, f"{prefix}.layers.{i}", tp_rank, tp_size)
             for i in range(spec.num_layers)
@@ -300,7 +300,7 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
             self.spec, self.dtype, vllm_config.cache_config, prefix, self.tp_rank, self.tp_size
         )
         if not self.spec.tie_word_embeddings:
-            self.lm_head = _Weight(
+            self.lm_head = PackedWeight(
                 tp.padded_vocab(self.spec.vocab_size, self.tp_size) // self.tp_size,
                 self.spec.hidden_size, dtype=self.dtype,
             )
@@ -326,15 +326,15 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
         assert intermediate_tensors is None, "pipeline parallelism is not supported"
         return self.model(input_ids, positions, inputs_embeds)
 
-    def lm_head_weight(self) -> torch.Tensor:
-        if self.spec.tie_word_embeddings:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
+    def output_head(self) -> PackedWeight:
+        """The module whose weight computes the logits: the embedding when tied."""
+        return self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head_weight()
+        head = self.output_head()
+        weight = head.weight
         if self.tp_size == 1:
-            return kernels.linear(hidden_states, weight)
+            return kernels.linear(hidden_states, weight, packed=head.pack())
         # The trainer's vocab-parallel output layer: this rank's vocabulary rows (of the
         # replicated tied embedding, or the held lm_head shard), padded to the trainer's padded
         # vocabulary; logits all-gathered in rank order, the padded columns cut off before the

@@ -23,10 +23,33 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 
-from parity import weights
+from parity import kernels, weights
 from parity.compare import tensor_checksum
 from parity.wire import Index, as_bytes_tensor, unpack_tensors
+
+
+class PackedWeight(nn.Module):
+    """A module holding one plain parameter `.weight` [N, K] and its compiled-GEMM pack
+    (parity.kernels.pack), made on the first forward that needs it and dropped by every write
+    of the model's weights (SyncedModel._weights_changed): packed once per weight version, not
+    once per call. Every write goes through SyncedModel (load_weights, vLLM's reload, the
+    full-weight sync), which is what makes keeping the pack safe here."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+        self.drop_pack()
+
+    def pack(self) -> torch.Tensor | None:
+        if not self._has_pack:
+            self._pack, self._has_pack = kernels.pack(self.weight), True
+        return self._pack
+
+    def drop_pack(self) -> None:
+        self._pack: torch.Tensor | None = None
+        self._has_pack = False
 
 
 class SyncedModel:
@@ -43,6 +66,13 @@ class SyncedModel:
     def _held(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError
 
+
+    def _weights_changed(self) -> None:
+        """Called before every write of the weights: the PackedWeight packs are dropped (and
+        remade from the new weights by the next forward)."""
+        for module in self.modules():
+            if isinstance(module, PackedWeight):
+                module.drop_pack()
 
     # --- tensor parallelism (TP=1 defaults) ----------------------------------------------------
 
@@ -110,6 +140,7 @@ class SyncedModel:
         A fused tensor is packed once all its parts have arrived. Returns the names written."""
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+        self._weights_changed()
         params = dict(self.named_parameters())
         from_hf = {n: w for w in weights.weight_map(self.spec) for n in w.hf}
         pending: dict[str, dict[str, torch.Tensor]] = {}  # fused name -> its parts so far
@@ -165,6 +196,7 @@ class SyncedModel:
                     f"{name}: {tensor.dtype} {tuple(tensor.shape)}, the model holds "
                     f"{param.dtype} {full_shape}"
                 )
+        self._weights_changed()
         with torch.no_grad():
             for name, tensor in tensors.items():
                 params[name].copy_(self._local(name, tensor))

@@ -48,6 +48,7 @@ class Trial:
     max_abs_diff: float | None = None
     seconds: float = 0.0
     error: str | None = None
+    cpu_capability: str = ""  # torch's vector ISA on the machine that ran the trial (AVX2, AVX512)
 
 
 def draw_dense(rng: random.Random, arch: str) -> dict:
@@ -156,7 +157,10 @@ def write_model(trial: Trial, seed: int, out: Path) -> None:
 
 
 def run_trial(trial: Trial, seed: int, workdir: Path) -> Trial:
+    import torch
+
     start = time.perf_counter()
+    trial.cpu_capability = torch.backends.cpu.get_cpu_capability()
     model, report = workdir / "model", workdir / "report"
     prompts = workdir / "prompts.jsonl"
     prng = random.Random(seed)

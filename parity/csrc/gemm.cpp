@@ -16,7 +16,8 @@
 // and TP = N give the same bits when the ranks' partials are added in rank order. `sum` = false
 // returns the partials themselves ([S, M, N]) for that cross-rank sum.
 //
-// Registered as torch.ops.kimi_parity.{pack, gemm, gemm_on, isas, gemm_reference}; loaded by
+// Registered as torch.ops.kimi_parity.{pack, gemm, gemm_on, bmm, bmm_on, isas, gemm_reference};
+// loaded by
 // parity/native.py.
 // Compiled with -ffp-contract=off: the only fused operations are the explicit FMAs below.
 
@@ -237,6 +238,59 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_
   return gemm_on(x, packed, n, fastest, splits, sum);
 }
 
+// Independent products of small matrices (attention's per-(query, KV head) blocks, the
+// indexer's): a [E, M, K] times b [E, K, N] (fp32/bf16) -> [E, M, N] fp32, every element of every
+// entry one FMA chain over k = 0..K-1 from +0.0f, the GEMM's order above, on the `isa` code path.
+// An entry's bits therefore depend on its own operands alone, never on E, on its index, or on
+// which thread runs it (a vendor batched GEMM picks its kernel from M, N, K and E, and measured
+// on one AVX-512 machine gave an entry other bits when it travelled with 1 or 3 entries than
+// with 2). Each entry's b is packed into panels in a per-thread buffer (columns past N zero).
+at::Tensor bmm_on(const at::Tensor& a_in, const at::Tensor& b_in, const std::string& isa) {
+  TORCH_CHECK(a_in.dim() == 3 && b_in.dim() == 3 && a_in.size(0) == b_in.size(0) && a_in.size(2) == b_in.size(1),
+              "kimi_parity: bmm wants a [E, M, K] and b [E, K, N]; got ", a_in.sizes(), " and ", b_in.sizes());
+  for (const at::Tensor* t : {&a_in, &b_in})
+    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16,
+                "kimi_parity: fp32 or bf16 only, got ", t->scalar_type());
+  const at::Tensor a = a_in.to(at::kFloat).contiguous(), b = b_in.to(at::kFloat).contiguous();
+  const int64_t e = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
+  at::Tensor out = at::empty({e, m, n}, a.options());
+  if (e == 0 || m == 0 || n == 0) return out;
+  if (k == 0) return out.zero_();
+  const float* ap = a.data_ptr<float>();
+  const float* bp = b.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const Kernels& kern = kernels_for(isa);
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t grain = std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, 2 * m * n * k));
+  at::parallel_for(0, e, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> packed(panels * k * kPanel, 0.0f);
+    for (int64_t i = begin; i < end; ++i) {
+      const float* bi = bp + i * k * n;
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t cols = std::min(kPanel, n - p * kPanel);
+        float* panel = packed.data() + p * k * kPanel;
+        for (int64_t kk = 0; kk < k; ++kk)
+          std::copy(bi + kk * n + p * kPanel, bi + kk * n + p * kPanel + cols, panel + kk * kPanel);
+      }
+      for (int64_t r0 = 0; r0 < m; r0 += kern.max_rows) {
+        const int64_t rows = std::min<int64_t>(kern.max_rows, m - r0);
+        for (int64_t p0 = 0; p0 < panels; p0 += kern.max_panels) {
+          const int64_t np = std::min<int64_t>(kern.max_panels, panels - p0);
+          const int64_t cols = std::min(np * kPanel, n - p0 * kPanel);
+          kern.fn[rows - 1][np - 1](ap + (i * m + r0) * k, k, k, packed.data() + p0 * k * kPanel, k * kPanel,
+                                    op + (i * m + r0) * n + p0 * kPanel, n, cols, false);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
+  static const std::string fastest = isas().front();
+  return bmm_on(a, b, fastest);
+}
+
 // The order above written as the plainest loop, on unpacked operands: the specification the
 // fast kernels are tested against bit for bit.
 at::Tensor gemm_reference(const at::Tensor& x_in, const at::Tensor& w_in, int64_t splits) {
@@ -268,6 +322,8 @@ TORCH_LIBRARY(kimi_parity, lib) {
   lib.def("pack(Tensor weight) -> Tensor", &pack);
   lib.def("gemm(Tensor x, Tensor packed, int n, int splits=1, bool sum=True) -> Tensor", &gemm);
   lib.def("gemm_on(Tensor x, Tensor packed, int n, str isa, int splits=1, bool sum=True) -> Tensor", &gemm_on);
+  lib.def("bmm(Tensor a, Tensor b) -> Tensor", &bmm);
+  lib.def("bmm_on(Tensor a, Tensor b, str isa) -> Tensor", &bmm_on);
   lib.def("isas() -> str[]", &isas);
   lib.def("gemm_reference(Tensor x, Tensor weight, int splits=1) -> Tensor", &gemm_reference);
 }

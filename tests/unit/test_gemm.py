@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parity import kernels, tp
@@ -116,3 +116,21 @@ def test_gradients_are_plain_and_correct():
     torch.nn.functional.linear(x2, w2).square().sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(w.grad, w2.grad)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(e=st.integers(1, 40), m=st.integers(1, 12), n=st.integers(1, 300), k=st.integers(0, 300),
+       dtype=DTYPES, seed=st.integers(0, 2**16), pick=st.integers(0, 39))
+def test_bmm_entries_are_independent_gemms(e, m, n, k, dtype, seed, pick, threads):
+    """The attention / indexer products (`bmm`): on every code path, every entry equals the
+    scalar reference of that entry alone, whatever the number of entries or the thread count.
+    torch.bmm failed this on an AVX-512 EPYC (1 or 3 entries against 2)."""
+    a, b = _randn(seed, e, m, k, dtype=dtype), _randn(seed + 1, e, k, n, dtype=dtype)
+    i = pick % e
+    reference = ops().gemm_reference(a[i], b[i].t().contiguous(), 1) if k else torch.zeros(m, n)
+    for isa in ops().isas():
+        for count in (1, 2):
+            threads(count)
+            assert torch.equal(ops().bmm_on(a, b, isa)[i], reference), (isa, count)
+    assert torch.equal(ops().bmm(a[i : i + 1], b[i : i + 1])[0], reference)
+    assert torch.equal(ops().bmm(a[i:], b[i:])[0], reference)

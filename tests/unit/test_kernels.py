@@ -105,6 +105,38 @@ def test_attention_decode_equals_whole_sequence(length, hkv, group, d, dtype, se
         assert torch.equal(kernels.attention(qb, kb, vb, seqs, pos, scale)[-1], full[t])
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 200), min_size=1, max_size=4), hkv=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 2, 5]), d=st.sampled_from([8, 20, 40, 64]), dtype=DTYPES,
+    seed=st.integers(0, 2**16),
+)
+def test_paged_attention_equals_contiguous(lens, hkv, group, d, dtype, seed):
+    """The rollout's form (keys read block by block from a paged cache whose slots are
+    scattered, garbage in every other slot) gives the training form's bits for every query."""
+    r, length = len(lens), max(lens)
+    k = _randn(seed, r, length, hkv, d, dtype=dtype)
+    v = _randn(seed + 1, r, length, hkv, d, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    q_seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    q_pos = torch.cat([torch.arange(n) for n in lens])
+    q = _randn(seed + 2, q_seq.numel(), hkv * group, d, dtype=dtype)
+    num_slots = r * length + 50
+    cache = torch.full((num_slots, 2, hkv, d), float("nan"), dtype=dtype)
+    slots = torch.randperm(num_slots, generator=g)[: r * length].view(r, length)
+    cache[slots.reshape(-1), 0] = k.reshape(-1, hkv, d)
+    cache[slots.reshape(-1), 1] = v.reshape(-1, hkv, d)
+    # as the metadata builder writes them: slot 0 past a sequence's end
+    ctx_slots = torch.where(torch.arange(length) < torch.tensor(lens).unsqueeze(1), slots, 0)
+    scale = kernels.attention_scale(d)
+    contiguous = kernels.attention(q, k, v, q_seq, q_pos, scale)
+    assert torch.equal(kernels.paged_attention(q, cache, ctx_slots, q_seq, q_pos, scale), contiguous)
+    last = torch.tensor([n - 1 for n in lens])  # one decode query per sequence
+    rows = torch.cumsum(torch.tensor(lens), 0) - 1
+    decode = kernels.paged_attention(q[rows], cache, ctx_slots, torch.arange(r), last, scale)
+    assert torch.equal(decode, contiguous[rows])
+
+
 def test_attention_matches_dense_reference_and_has_gradients():
     q = _randn(0, 90, 4, 32).requires_grad_()
     k = _randn(1, 1, 90, 2, 32).requires_grad_()
@@ -163,3 +195,29 @@ def test_linear_gradients_match_plain_autograd():
     x.grad = w.grad = None
     F.linear(x, w).square().sum().backward()
     assert (gx - x.grad).abs().max() < 1e-3 and (gw - w.grad).abs().max() < 1e-3
+
+
+def test_rollout_weight_pack_is_made_once_and_dropped_by_every_write():
+    """rollout.sync.PackedWeight: the GEMM pack is reused between writes (the same tensor), and
+    a full-weight sync drops it, so the next forward computes with the new weights."""
+    from torch import nn
+
+    from parity.wire import pack_tensors
+    from rollout.sync import PackedWeight, SyncedModel
+
+    class Model(nn.Module, SyncedModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = PackedWeight(24, 40, dtype=torch.float32)
+
+    model = Model()
+    with torch.no_grad():
+        model.proj.weight.copy_(_randn(0, 24, 40))
+    x = _randn(1, 3, 40)
+    first = model.proj.pack()
+    assert model.proj.pack() is first
+    assert torch.equal(kernels.linear(x, model.proj.weight, packed=first), kernels.linear(x, model.proj.weight))
+    new = _randn(2, 24, 40)
+    model.update_params_packed(*pack_tensors({"proj.weight": new}))
+    assert model.proj.pack() is not first
+    assert torch.equal(kernels.linear(x, model.proj.weight, packed=model.proj.pack()), kernels.linear(x, new))
