@@ -17,7 +17,10 @@ Concretely: GEMMs run on a compiled kernel whose summation order is fixed by con
 on flat chunks of exactly `POINTWISE_CHUNK` elements (serial, all-vector, no scalar tail);
 row reductions reduce a contiguous last dim of fixed length; attention walks the keys in blocks
 of `KV_BLOCK` positions from position 0, so a query at position t always sees the same blocks
-with the same values, whatever else is in the batch.
+with the same values, whatever else is in the batch, and each block's products run on the
+compiled GEMM's order too (`bmm`, one independent product per query and KV head). The rollout
+reads the blocks out of vLLM's paged cache in place (`paged_attention`); training runs the
+same walk over contiguous keys.
 
 All functions are plain PyTorch and differentiable. Attention has its own backward (recompute
 with dense math): gradients need not be bit-stable, only the forward log-probs must be.
