@@ -4,6 +4,7 @@ form. Equality is torch.equal, never a tolerance."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -105,15 +106,20 @@ def test_attention_decode_equals_whole_sequence(length, hkv, group, d, dtype, se
         assert torch.equal(kernels.attention(qb, kb, vb, seqs, pos, scale)[-1], full[t])
 
 
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+])
 @settings(max_examples=20, deadline=None)
 @given(
     lens=st.lists(st.integers(1, 200), min_size=1, max_size=4), hkv=st.sampled_from([1, 2, 3]),
     group=st.sampled_from([1, 2, 5]), d=st.sampled_from([8, 20, 40, 64]), dtype=DTYPES,
     seed=st.integers(0, 2**16),
 )
-def test_paged_attention_equals_contiguous(lens, hkv, group, d, dtype, seed):
+def test_paged_attention_equals_contiguous(device, lens, hkv, group, d, dtype, seed):
     """The rollout's form (keys read block by block from a paged cache whose slots are
-    scattered, garbage in every other slot) gives the training form's bits for every query."""
+    scattered, garbage in every other slot) gives the training form's bits for every query,
+    on the CPU kernel and on the CUDA one (there the rollout's call gathers, then attends)."""
     r, length = len(lens), max(lens)
     k = _randn(seed, r, length, hkv, d, dtype=dtype)
     v = _randn(seed + 1, r, length, hkv, d, dtype=dtype)
@@ -128,12 +134,15 @@ def test_paged_attention_equals_contiguous(lens, hkv, group, d, dtype, seed):
     cache[slots.reshape(-1), 1] = v.reshape(-1, hkv, d)
     # as the metadata builder writes them: slot 0 past a sequence's end
     ctx_slots = torch.where(torch.arange(length) < torch.tensor(lens).unsqueeze(1), slots, 0)
+    last = torch.tensor([n - 1 for n in lens])  # one decode query per sequence
+    rows = torch.cumsum(torch.tensor(lens), 0) - 1
+    q, k, v, q_seq, q_pos, cache, ctx_slots, last, rows = (
+        t.to(device) for t in (q, k, v, q_seq, q_pos, cache, ctx_slots, last, rows)
+    )
     scale = kernels.attention_scale(d)
     contiguous = kernels.attention(q, k, v, q_seq, q_pos, scale)
     assert torch.equal(kernels.paged_attention(q, cache, ctx_slots, q_seq, q_pos, scale), contiguous)
-    last = torch.tensor([n - 1 for n in lens])  # one decode query per sequence
-    rows = torch.cumsum(torch.tensor(lens), 0) - 1
-    decode = kernels.paged_attention(q[rows], cache, ctx_slots, torch.arange(r), last, scale)
+    decode = kernels.paged_attention(q[rows], cache, ctx_slots, torch.arange(r, device=device), last, scale)
     assert torch.equal(decode, contiguous[rows])
 
 
