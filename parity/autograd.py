@@ -48,3 +48,39 @@ class RecomputeAttention(torch.autograd.Function):
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
         return (*(next(grads) if t.requires_grad else None for t in inputs), *([None] * 5))
+
+
+class RecomputeGrad(torch.autograd.Function):
+    """`forward_fn(x)` (an invariant kernel) with the gradient of `reference_fn(x)` (the plain
+    torch op with the same math), recomputed in backward (gradients need only be correct)."""
+
+    @staticmethod
+    def forward(ctx, x, forward_fn, reference_fn):
+        ctx.save_for_backward(x)
+        ctx.reference_fn = reference_fn
+        return forward_fn(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(ctx.reference_fn(xd), xd, grad_out)
+        return grad, None, None
+
+
+class InvariantBmm(torch.autograd.Function):
+    """Batched products a [..., M, K] @ b [..., K, N] whose forward is an invariant kernel
+    (`forward_fn(a, b)`) and whose gradients are plain batched matmuls."""
+
+    @staticmethod
+    def forward(ctx, a, b, forward_fn):
+        ctx.save_for_backward(a, b)
+        return forward_fn(a, b)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b = ctx.saved_tensors
+        grad_a = (grad_out @ b.mT.to(grad_out.dtype)).to(a.dtype) if ctx.needs_input_grad[0] else None
+        grad_b = (a.mT.to(grad_out.dtype) @ grad_out).to(b.dtype) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b, None

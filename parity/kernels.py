@@ -12,18 +12,22 @@ over "all keys so far" has a different length in decode (one query, t keys) and 
     every reduction and every transcendental op runs on a shape that is fixed by the model
     config alone (never by batch size, chunking or decode vs. training), in a fixed order.
 
-Concretely: GEMMs run on a compiled kernel whose summation order is fixed by construction
-(parity/csrc/gemm.cpp); transcendental element-wise ops run
-on flat chunks of exactly `POINTWISE_CHUNK` elements (serial, all-vector, no scalar tail);
-row reductions reduce a contiguous last dim of fixed length; attention walks the keys in blocks
-of `KV_BLOCK` positions from position 0, so a query at position t always sees the same blocks
-with the same values, whatever else is in the batch, and each block's products run on the
-compiled GEMM's order too (`bmm`, one independent product per query and KV head). The rollout
-reads the blocks out of vLLM's paged cache in place (`paged_attention`); training runs the
-same walk over contiguous keys.
+Concretely, every op whose order matters is compiled code with its order fixed by construction,
+the same on every ISA code path (AVX-512, AVX2, scalar) and on every thread:
+GEMMs and the small batched products (parity/csrc/gemm.cpp: one FMA chain over K per output
+element); exp / sigmoid / SiLU / softplus / rsqrt (parity/csrc/elementwise.cpp: our own
+polynomial exp and log, correctly rounded IEEE steps only, one code path for every element);
+row sums (a 16-lane accumulator with one fixed combine tree, RMSNorm's mean of squares among
+them). Attention walks the keys in blocks of `KV_BLOCK` positions from position 0, so a query at
+position t always sees the same blocks with the same values, whatever else is in the batch,
+and each block's products run on the compiled `bmm`. The rollout reads the blocks out of vLLM's
+paged cache in place (`paged_attention`); training runs the same walk over contiguous keys.
+The one reduction left to torch is the vocabulary log-softmax: it is vLLM's own sampler op,
+which both engines call on the same rows (see `log_softmax`).
 
-All functions are plain PyTorch and differentiable. Attention has its own backward (recompute
-with dense math): gradients need not be bit-stable, only the forward log-probs must be.
+All functions are differentiable: the forward is the invariant kernel, the backward plain torch
+math (gradients need not be bit-stable, only the forward log-probs must be). A pure-torch
+reference of each compiled kernel's order lives in the tests.
 """
 
 from __future__ import annotations
@@ -36,16 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from parity import native, tp
-from parity.autograd import InvariantLinear, RecomputeAttention
+from parity.autograd import InvariantBmm, InvariantLinear, RecomputeAttention, RecomputeGrad
 
-# Elements per transcendental call: below torch's parallel grain (32768), so one thread runs
-# the whole chunk, and a multiple of 64 (the widest vector loop: 2 x 32 bf16 lanes), so no
-# element ever goes through the scalar tail loop.
-POINTWISE_CHUNK = 16384
 # Keys per attention block. Queries visit blocks 0..t//KV_BLOCK in order.
 KV_BLOCK = 64
-# torch splits a single-output reduction across threads above this size (two-pass reduction).
-_TORCH_GRAIN = 32768
 # KIMI_RL_INVARIANT_KERNELS=0 swaps the invariant forms below for the plain torch ops (F.linear,
 # fn(x), sum, dense attention) in every process that reads it. For benchmarks only: it measures
 # what batch invariance costs on a model that has no stock engine (kimi-mini); log-probs then
@@ -60,40 +58,76 @@ def _cuda():
     return cuda
 
 
-def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """Apply an element-wise `fn` so that every element takes the vectorised path.
+def _elementwise(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The compiled element-wise op `name` (parity/csrc/elementwise.cpp), in x's dtype.
 
-    Invariant because: each call sees a contiguous chunk of exactly POINTWISE_CHUNK elements
-    (the input is zero-padded to a whole number of chunks), which torch runs on one thread with
-    its vector loop only; an element's bits then depend on its value alone, not its position.
+    Invariant by construction: every element runs one fixed sequence of correctly rounded fp32
+    operations (exp is our own polynomial, not a vendor's vector math), so its bits are a
+    function of its value alone - on any ISA code path, at any position, on any thread.
+    Differentiable: gradients come from the plain torch op.
     """
+    reference = _ELEMENTWISE_TORCH[name]
     if x.is_cuda:
-        return _cuda().pointwise(fn, x)
+        return _cuda().pointwise(reference, x)
     if not INVARIANT:
-        return fn(x)
-    flat = x.reshape(-1)
-    n = flat.numel()
-    padded = -(-n // POINTWISE_CHUNK) * POINTWISE_CHUNK
-    if padded != n:
-        flat = F.pad(flat, (0, padded - n))
-    flat = flat.contiguous()
-    out = torch.cat([fn(chunk) for chunk in flat.split(POINTWISE_CHUNK)])
-    return out[:n].view(x.shape)
+        return reference(x)
+
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        return native.ops().unary(t, name).to(t.dtype)
+
+    if torch.is_grad_enabled() and x.requires_grad:
+        return RecomputeGrad.apply(x, forward, reference)
+    return forward(x)
+
+
+_ELEMENTWISE_TORCH = {
+    "exp": torch.exp, "sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus, "rsqrt": torch.rsqrt,
+}
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    return _elementwise("exp", x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return _elementwise("sigmoid", x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return _elementwise("silu", x)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """torch's softplus (beta 1, threshold 20)."""
+    return _elementwise("softplus", x)
+
+
+def rsqrt(x: torch.Tensor) -> torch.Tensor:
+    return _elementwise("rsqrt", x)
+
+
+def _row_sum_reference(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(-1)
+
+
+def _row_sum_forward(x: torch.Tensor) -> torch.Tensor:
+    return native.ops().row_sum(x).to(x.dtype)
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim.
+    """Sum over the last dim (compiled, parity/csrc/elementwise.cpp), in x's dtype.
 
-    Invariant because: the last dim is made contiguous, so torch always uses its inner-row
-    reduction, whose order depends only on the row length; rows are split across threads but a
-    row is never split (that only happens for a single output above the grain size).
+    Invariant by construction: 16 lane accumulators, element i added in order to lane i % 16,
+    then one fixed combine tree; the order depends on the row length alone, never on the number
+    of rows, a row's position or the thread that runs it.
     """
     if x.is_cuda:
         return _cuda().row_sum(x)
     if not INVARIANT:
         return x.sum(-1)
-    assert x.shape[-1] < _TORCH_GRAIN, "row_sum rows must stay below torch's grain size"
-    return x.contiguous().sum(-1)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return RecomputeGrad.apply(x, _row_sum_forward, _row_sum_reference)
+    return _row_sum_forward(x)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -224,12 +258,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     h = x.float()
     variance = row_sum(h * h) / h.shape[-1]
-    inv = pointwise(torch.rsqrt, variance + eps)
+    inv = rsqrt(variance + eps)
     return weight * (h * inv.unsqueeze(-1)).to(dtype)
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    return pointwise(F.silu, x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -253,7 +283,7 @@ def rope_table(head_dim: int, base: float, max_positions: int) -> tuple[torch.Te
     inv_freq = 1.0 / (base**exponent)
     positions = torch.arange(max_positions, dtype=torch.int64, device=cpu).float()
     freqs = torch.outer(positions, inv_freq)
-    return pointwise(torch.cos, freqs), pointwise(torch.sin, freqs)
+    return torch.cos(freqs), torch.sin(freqs)
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -272,18 +302,25 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, table: tuple[torch.Tens
     return out.to(x.dtype)
 
 
-def _entry_bmm(a: torch.Tensor, b: torch.Tensor, entries: int) -> torch.Tensor:
-    """a [..., M, K] @ b [..., K, N] as `entries` independent products, in a's dtype.
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] @ b [..., K, N] (same leading dims) as independent products, in a's dtype.
 
     Invariant by construction: the compiled `bmm` (parity/csrc/gemm.cpp) computes every element
     of every entry as one fp32 FMA chain over k in order (the GEMM's order), so an entry's bits
     depend on its own operands only, never on how many entries share the call. (torch.bmm, which
     this replaced, picks MKL's kernel from the whole batch: on an AVX-512 EPYC one entry alone, or
-    among 3, got other bits than among 2 - attention at batch 1 then disagreed with training.)"""
-    shape = a.shape[:-1] + b.shape[-1:]
+    among 3, got other bits than among 2 - attention at batch 1 then disagreed with training.)
+    Differentiable: gradients are plain batched matmuls."""
     if a.is_cuda:  # the CUDA attention is its own kernel (parity/cuda.py); the indexer's dots
-        return torch.bmm(a.reshape(entries, *a.shape[-2:]), b.reshape(entries, *b.shape[-2:])).view(shape)
-    out = native.ops().bmm(a.reshape(entries, *a.shape[-2:]), b.reshape(entries, *b.shape[-2:]))
+        return a @ b
+    if not INVARIANT:
+        return a @ b
+    return InvariantBmm.apply(a, b, _bmm_forward)
+
+
+def _bmm_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    shape = a.shape[:-1] + b.shape[-1:]
+    out = native.ops().bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
     return out.to(a.dtype).view(shape)
 
 
@@ -332,14 +369,14 @@ def _paged_attention_forward(
         vb = torch.empty(n, hkv, KV_BLOCK, d).copy_(block[:, :, 1].transpose(1, 2))
         # Masked slots may hold garbage (a paged cache's unused slots): replace, never multiply.
         vb.masked_fill_(~valid[:, None, :, None], 0.0)
-        scores = _entry_bmm(qf[rows], kb, n * hkv) * scale  # [n, hkv, g, B]
+        scores = bmm(qf[rows], kb) * scale  # [n, hkv, g, B]
         scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
         m_old = m[rows]
         m_new = torch.maximum(m_old, scores.amax(-1))
-        correction = pointwise(torch.exp, m_old - m_new)
-        p = pointwise(torch.exp, scores - m_new.unsqueeze(-1))
+        correction = exp(m_old - m_new)
+        p = exp(scores - m_new.unsqueeze(-1))
         denom[rows] = denom[rows] * correction + row_sum(p)
-        acc[rows] = acc[rows] * correction.unsqueeze(-1) + _entry_bmm(p, vb, n * hkv)
+        acc[rows] = acc[rows] * correction.unsqueeze(-1) + bmm(p, vb)
         m[rows] = m_new
     out = acc / denom.unsqueeze(-1)
     return out.view(nq, hq, d).to(q.dtype)

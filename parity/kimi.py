@@ -16,11 +16,12 @@ engines add their LoRA delta inside it through `adapted_linear`):
 Why each piece is batch invariant and identical between decode and training:
 
 - KDA runs its recurrence token by token in both engines (the chunked WY form reorders sums).
-  A step is element-wise products plus `row_sum` over the contiguous dk axis of an fp32 state
-  laid out [H, dv, dk], so a row's bits depend only on its own values; training walks a whole
+  A step is element-wise products plus two products S^T k, S^T q on the compiled `bmm` (one
+  fixed-order FMA chain over dk per element) of an fp32 state laid out [H, dv, dk], so a row's
+  bits depend only on its own values; training walks a whole
   sequence with the same step that decode runs once. The short conv is a fixed-order sum of K
   products over a window that the rollout side fills from its conv state.
-- The indexer scores each (query, key-block) pair with a fixed-shape `_entry_bmm` and reduces
+- The indexer scores each (query, key-block) pair with a fixed-shape `bmm` and reduces
   over index heads with `row_sum`; top-k is a stable descending sort (ties: lower position
   first) over positions 0..t, whatever the padded length.
 - MLA uses the non-absorbed form on both sides: the selected latents are expanded with
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from parity import kernels
-from parity.kernels import KV_BLOCK, _entry_bmm, pointwise, row_sum
+from parity.kernels import KV_BLOCK, bmm, exp, row_sum, rsqrt, sigmoid, silu, softplus
 from parity.model_spec import KimiSpec
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -68,7 +69,7 @@ def adapted_linear(
 
 
 def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    return x * pointwise(torch.rsqrt, row_sum(x * x) + L2_EPS).unsqueeze(-1)
+    return x * rsqrt(row_sum(x * x) + L2_EPS).unsqueeze(-1)
 
 
 def _request_rows(lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,8 +94,8 @@ def kda_recurrence(
     state [R, H, dv, dk] fp32: each request's S^T before its first token. Returns
     (o [N, H, dv] fp32, new state [R, H, dv, dk]).
 
-    One token per request per step; S^T is [dv, dk] so that both S^T k and S^T q reduce over the
-    contiguous last axis with `row_sum`.
+    One token per request per step; S^T is [dv, dk] so that both S^T k and S^T q are products
+    over the contiguous last axis on the compiled `bmm`.
     """
     n, nh, dv = v.shape
     num_reqs, max_len = len(lengths), max(lengths)
@@ -107,10 +108,10 @@ def kda_recurrence(
         rows = offsets[active] + j
         s = state if everyone else state[active]
         s = s * alpha[rows].unsqueeze(2)
-        kk = k[rows].unsqueeze(2)  # [n, H, 1, dk]
-        u = beta[rows].unsqueeze(-1) * (v[rows] - row_sum(s * kk))  # [n, H, dv]
-        s = s + u.unsqueeze(-1) * kk
-        outs.append(row_sum(s * q[rows].unsqueeze(2)))
+        # S^T k and S^T q: one fixed-order product per (token, head) on the compiled GEMM.
+        u = beta[rows].unsqueeze(-1) * (v[rows] - bmm(s, k[rows].unsqueeze(-1)).squeeze(-1))  # [n, H, dv]
+        s = s + u.unsqueeze(-1) * k[rows].unsqueeze(2)
+        outs.append(bmm(s, q[rows].unsqueeze(-1)).squeeze(-1))
         rows_seen.append(rows)
         state = s if everyone else state.index_copy(0, active, s)
     o = torch.zeros(n, nh, dv).index_put((torch.cat(rows_seen),), torch.cat(outs))
@@ -144,22 +145,22 @@ def kda_mixer(
     lens = torch.tensor(list(lengths), dtype=torch.int64)
     tail = lens.view(-1, 1) + torch.arange(k_size - 1)  # seq rows of each request's last K-1 inputs
     new_conv_state = seq.gather(1, tail.unsqueeze(-1).expand(-1, -1, seq.shape[-1]))
-    x = pointwise(F.silu, conv[req, idx])  # [N, 3HD]
+    x = silu(conv[req, idx])  # [N, 3HD]
     q, k, v = (t.reshape(n, nh, d) for t in x.split(nh * d, dim=-1))
     q = _l2_normalize(q) * (d**-0.5)
     k = _l2_normalize(k)
 
     # Channel-wise decay (log space) and the per-head delta-rule step size.
     f = m.f_b_proj(m.f_a_proj(h)).float() + m.dt_bias.float()
-    a = pointwise(torch.exp, m.A_log.float())  # [H]
-    g = -(a.view(1, nh, 1) * pointwise(F.softplus, f).view(n, nh, d))
-    alpha = pointwise(torch.exp, g)  # [N, H, dk]
-    beta = pointwise(torch.sigmoid, m.b_proj(h).float())  # [N, H]
+    a = exp(m.A_log.float())  # [H]
+    g = -(a.view(1, nh, 1) * softplus(f).view(n, nh, d))
+    alpha = exp(g)  # [N, H, dk]
+    beta = sigmoid(m.b_proj(h).float())  # [N, H]
     o, state = kda_recurrence(q, k, v, alpha, beta, state, lengths)
 
     # Per-head RMSNorm, sigmoid output gate, output projection.
     o = kernels.rms_norm(o, m.o_norm.weight, spec.rms_norm_eps)
-    o = o * pointwise(torch.sigmoid, m.g_proj(h).float()).view(n, nh, d)
+    o = o * sigmoid(m.g_proj(h).float()).view(n, nh, d)
     return m.o_proj(o.reshape(n, nh * d).to(h.dtype)), new_conv_state, state
 
 
@@ -206,7 +207,7 @@ def indexer_topk(
         start = j * KV_BLOCK
         rows = torch.arange(n) if j == 0 else (q_pos >= start).nonzero().squeeze(1)
         kb = kt[q_seq[rows], :, start : start + KV_BLOCK]  # [r, dI, B]
-        dots = _entry_bmm(index_q[rows], kb, rows.numel())  # [r, hI, B]
+        dots = bmm(index_q[rows], kb)  # [r, hI, B]
         weighted = dots.clamp_min(0.0) * index_w[rows].unsqueeze(-1)
         block = row_sum(weighted.transpose(1, 2))  # [r, B], summed over index heads
         valid = (start + offsets).unsqueeze(0) <= q_pos[rows].unsqueeze(1)
@@ -253,7 +254,7 @@ def _ffn(expert, x: torch.Tensor) -> torch.Tensor:
 def route(spec: KimiSpec, router_weight: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts [N, k] int64 in score order, normalised weights [N, k] fp32) for tokens h."""
     logits = kernels.linear(h.float(), router_weight.float())  # [N, E], fp32 router
-    scores = pointwise(torch.sigmoid, logits)
+    scores = sigmoid(logits)
     experts = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : spec.num_experts_per_tok]
     weights = scores.gather(1, experts)
     return experts, weights / row_sum(weights).unsqueeze(-1)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / "gemm.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemm.cpp", "elementwise.cpp")]
 # -ffp-contract=off: no implicit fused multiply-adds; the kernels' FMAs are all explicit.
-CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off"]
+CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
 
 
 def build_directory() -> Path:
