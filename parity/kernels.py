@@ -311,8 +311,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     this replaced, picks MKL's kernel from the whole batch: on an AVX-512 EPYC one entry alone, or
     among 3, got other bits than among 2 - attention at batch 1 then disagreed with training.)
     Differentiable: gradients are plain batched matmuls."""
-    if a.is_cuda:  # the CUDA attention is its own kernel (parity/cuda.py); the indexer's dots
-        return a @ b
+    if a.is_cuda:  # products, then the CUDA row sum's fixed order over K (small products only)
+        return row_sum(a.float().unsqueeze(-2) * b.float().mT.unsqueeze(-3)).to(a.dtype)
     if not INVARIANT:
         return a @ b
     return InvariantBmm.apply(a, b, _bmm_forward)

@@ -181,20 +181,27 @@ def test_log_softmax_is_vllms_sampler_op():
     assert torch.equal(Sampler.compute_logprobs(logits), kernels.log_softmax(logits))
 
 
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+])
 @SETTINGS
 @given(entries=st.integers(1, 3000), g=st.integers(1, 8), d=st.sampled_from([8, 20, 32, 64, 128, 130]),
        seed=st.integers(0, 2**16), pick=st.integers(0, 2999))
-def test_attention_block_products_are_entry_invariant(entries, g, d, seed, pick):
-    """The score and value products of one (query, kv-head) entry give the same bits alone as
-    among any number of other entries."""
-    a = _randn(seed, entries, g, d)
-    b = _randn(seed + 1, entries, d, kernels.KV_BLOCK)
+def test_attention_block_products_are_entry_invariant(device, entries, g, d, seed, pick):
+    """The products of one entry (a (query, kv-head) block of attention or the indexer, a
+    (token, head) step of the KDA recurrence) give the same bits alone as among any number of
+    other entries, on the CPU's compiled bmm and on CUDA's product + row sum."""
+    a = _randn(seed, entries, g, d).to(device)
+    b = _randn(seed + 1, entries, d, kernels.KV_BLOCK).to(device)
     i = pick % entries
     full = kernels.bmm(a, b)
     assert torch.equal(kernels.bmm(a[i : i + 1], b[i : i + 1])[0], full[i])
-    p = _randn(seed + 2, entries, g, kernels.KV_BLOCK)
-    v = _randn(seed + 3, entries, kernels.KV_BLOCK, d)
+    p = _randn(seed + 2, entries, g, kernels.KV_BLOCK).to(device)
+    v = _randn(seed + 3, entries, kernels.KV_BLOCK, d).to(device)
     assert torch.equal(kernels.bmm(p[i:], v[i:])[0], kernels.bmm(p, v)[i])
+    s, k = _randn(seed + 4, entries, 2, d, d).to(device), _randn(seed + 5, entries, 2, d, 1).to(device)
+    assert torch.equal(kernels.bmm(s[i : i + 1], k[i : i + 1])[0], kernels.bmm(s, k)[i])
 
 
 def test_linear_gradients_match_plain_autograd():
