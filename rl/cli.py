@@ -18,9 +18,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _version() -> str:
-    from importlib.metadata import version
+    """The installed distribution's version; from a source tree that is not installed
+    (`python -m rl.cli` in a checkout, as on a GPU machine's bundle), pyproject.toml's."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return version("kimi-rl")
+    try:
+        return version("kimi-rl")
+    except PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"] + " (source tree)"
 
 
 def build_parser() -> argparse.ArgumentParser:
