@@ -5,7 +5,7 @@ Built with torch's extension machinery on first use (or ahead of time by scripts
 (`<venv>/kimi-rl-ext/`; `parity/csrc/build/` outside a venv), never the home directory, so a
 fresh machine builds from the repository's own files and an edit to a source rebuilds. One
 portable build: the kernels pick AVX-512, AVX2 or scalar code at run time, and every choice
-computes the same bits (parity/csrc/gemm.cpp says why).
+computes the same bits (parity/csrc/gemm.cpp and elementwise.cpp say why).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import torch
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemm.cpp", "elementwise.cpp")]
 # -ffp-contract=off: no implicit fused multiply-adds; the kernels' FMAs are all explicit.
+# -fno-trapping-math / -fno-math-errno: no FP traps and no errno from sqrt, so the compiler may
+# vectorise selects and square roots; neither changes a value (no reassociation, no fast-math).
 CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
 
 

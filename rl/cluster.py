@@ -80,14 +80,45 @@ def _reload_ray_auth() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-def placement_group(num_rollout_workers: int, use_gpus: bool):
-    """One bundle per rollout worker, then one for the trainer. CPU bundles ask for one
+def placement_group(num_rollout_workers: int, use_gpus: bool, trainer_ranks: int = 1):
+    """One bundle per rollout worker, then one per trainer rank. CPU bundles ask for one
     logical CPU each: the loop is synchronous (rollout, then training), so every actor may use
     all cores while it works; torch threads are set per actor, not by this bundle."""
     import ray
     from ray.util.placement_group import placement_group as make
 
     resource = {"GPU": 1} if use_gpus else {"CPU": 1}
-    pg = make([dict(resource) for _ in range(num_rollout_workers + 1)], strategy="PACK")
+    pg = make([dict(resource) for _ in range(num_rollout_workers + trainer_ranks)], strategy="PACK")
     ray.get(pg.ready())
     return pg
+
+
+class TrainerGroup:
+    """The trainer's tensor-parallel ranks (Ray actors) as one: `group.method.remote(...)`
+    calls the method on every rank, waits for all of them, and returns rank 0's ObjectRef (the
+    ranks compute the same result: logits are all-gathered, adapters replicated). Waiting
+    fails fast: the first rank to raise or die raises here, while the others may still sit in
+    a collective that will never complete (the run then stops them all)."""
+
+    def __init__(self, actors: list) -> None:
+        self.actors = actors
+
+    def __getattr__(self, name: str) -> _GroupMethod:
+        if name.startswith("__") and not name.startswith("__ray_"):
+            raise AttributeError(name)
+        return _GroupMethod(self.actors, name)
+
+
+class _GroupMethod:
+    def __init__(self, actors: list, name: str) -> None:
+        self.actors, self.name = actors, name
+
+    def remote(self, *args, **kwargs):
+        import ray
+
+        refs = [getattr(actor, self.name).remote(*args, **kwargs) for actor in self.actors]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
+        return refs[0]

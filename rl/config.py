@@ -340,24 +340,35 @@ def _check(cfg: Config, sources: _Sources) -> None:
         if module not in LORA_MODULES:
             raise err(f"lora.target_modules[{i}]", f"expected one of {', '.join(LORA_MODULES)}; "
                       f"got {module!r}")
-    # Any rollout TP against the trainer's: the row-parallel K-order is fixed by the model
+    # Any rollout TP against any trainer TP: the row-parallel K-order is fixed by the model
     # (parity.tp.row_splits), so the two sides agree bit for bit at different TP sizes.
-    if cfg.trainer.tensor_parallel_size > 1:
-        raise err("trainer.tensor_parallel_size", f"is {cfg.trainer.tensor_parallel_size}: kimi-rl "
-                  "train runs the trainer at TP=1 (Megatron at TP=N is checked by `kimi-rl parity "
-                  "check --trainer-tp N`); rollout.tensor_parallel_size may be larger")
-    if cfg.rollout.tensor_parallel_size > 1:
+    trainer_tp = cfg.trainer.tensor_parallel_size
+    if trainer_tp > 1:
+        key = "trainer.tensor_parallel_size"
+        if cfg.trainer.backend != "megatron":
+            raise err(key, f"is {trainer_tp}: tensor parallelism is the megatron backend's "
+                      f"(trainer.backend is {cfg.trainer.backend})")
+        if not cfg.lora.enabled:
+            raise err(key, f"is {trainer_tp}: a TP trainer trains replicated LoRA adapters; "
+                      "set lora.enabled true (a full fine-tune at TP > 1 is not supported)")
+        if not cfg.parity.enabled:
+            raise err(key, f"is {trainer_tp}: with parity off the rollout gets the adapter merged "
+                      "into full weights, which a TP trainer holds in shards; use parity.enabled true")
+    for key, size in (("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size),
+                      ("trainer.tensor_parallel_size", trainer_tp)):
+        if size == 1:
+            continue
         from parity.model_spec import ModelSpec, load_spec
         from parity.tp import check_tp
 
         spec = load_spec(model_dir)
         if not isinstance(spec, ModelSpec):
-            raise err("rollout.tensor_parallel_size", f"is {cfg.rollout.tensor_parallel_size}: "
-                      f"tensor parallelism is for dense Llama / Qwen3 models; {model_dir} is not one")
+            raise err(key, f"is {size}: tensor parallelism is for dense Llama / Qwen3 models; "
+                      f"{model_dir} is not one")
         try:
-            check_tp(spec, cfg.rollout.tensor_parallel_size)
+            check_tp(spec, size)
         except ValueError as e:
-            raise err("rollout.tensor_parallel_size", str(e)) from None
+            raise err(key, str(e)) from None
     try:
         cfg.rollout.sampling()
     except ValueError as e:  # a temperature vLLM would treat as greedy

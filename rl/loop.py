@@ -1,7 +1,8 @@
 """The training loop, top to bottom: `kimi-rl train config.yaml`.
 
     preflight      everything a user can get wrong is checked before Ray starts
-    start          Ray, one placement group, N rollout workers (vLLM) and the trainer (Megatron)
+    start          Ray, one placement group, N rollout workers (vLLM) and the trainer (Megatron;
+                   trainer.tensor_parallel_size ranks, called as one: rl.cluster.TrainerGroup)
     resume         trainer state, data cursor and step from the run's latest checkpoint
     sync           the trainer's adapter (or full weights) to every worker, through the hooks
     for each step:
@@ -24,8 +25,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -102,7 +105,7 @@ class Run:
         self.cfg = cfg
         self.packed_adapter: tuple = (None, {})  # (object ref, its tensors) of the last adapter
         n = cfg.rollout.num_workers
-        start_ray(cfg.ray, run_dir or cfg.run_dir, num_cpus_needed=n + 1)
+        start_ray(cfg.ray, run_dir or cfg.run_dir, num_cpus_needed=n + cfg.trainer.tensor_parallel_size)
         try:
             self._start_actors(cfg, n)
         except BaseException:
@@ -112,25 +115,31 @@ class Run:
     def _start_actors(self, cfg: Config, n: int) -> None:
         import ray
 
-        from rl.cluster import placement_group
+        from rl.cluster import TrainerGroup, placement_group
         from rollout.worker import RolloutWorker
         from trainer.worker import trainer_worker
 
-        self.pg = placement_group(n, use_gpus=False)
+        tp = cfg.trainer.tensor_parallel_size
+        self.pg = placement_group(n, use_gpus=False, trainer_ranks=tp)
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING",
                             # JIT-built C++ ops (deepspeed_cpu_adam) are cached in the run dir.
                             "TORCH_EXTENSIONS_DIR": str(Path(cfg.run_dir) / "torch_extensions")}}
-        self.trainer = (
+        # The ranks' torch.distributed rendezvous: a file, fresh for this start (one node).
+        self._rendezvous = tempfile.TemporaryDirectory(prefix="kimi-rl-trainer-")
+        ranks = [
             ray.remote(trainer_worker(cfg.trainer.backend))
-            .options(num_cpus=1, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=n),
+            .options(num_cpus=1, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=n + r),
                      runtime_env=env)
             .remote(
                 cfg.model.path, cfg.model.dtype, parity=cfg.parity.enabled, lora=cfg.lora,
                 trainer=cfg.trainer, algorithm=cfg.algorithm, seed=cfg.seed,
                 sampling=cfg.rollout.sampling(),
+                **({"rank": r, "rendezvous": os.path.join(self._rendezvous.name, "store")} if tp > 1 else {}),
             )
-        )
+            for r in range(tp)
+        ]
+        self.trainer = ranks[0] if tp == 1 else TrainerGroup(ranks)
         max_len = self._max_model_len()
         self._make_worker = lambda i: (
             ray.remote(RolloutWorker)
@@ -207,6 +216,8 @@ class Run:
             except Exception:  # a dead worker has nothing left to close
                 pass
         ray.shutdown()
+        if hasattr(self, "_rendezvous"):
+            self._rendezvous.cleanup()
 
 
 def make_sync(run: Run, cfg: Config, probe: list[list[int]]):
@@ -287,7 +298,6 @@ class StopOnSignal:
 def write_pids(run: Run, run_dir: Path) -> None:
     """<run_dir>/pids.json: the driver's and each actor's process id (to watch or stop them)."""
     import json
-    import os
 
     import ray
 
@@ -295,6 +305,8 @@ def write_pids(run: Run, run_dir: Path) -> None:
         return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
 
     pids = {"driver": os.getpid(), "trainer": pid(run.trainer), "rollout": [pid(w) for w in run.workers]}
+    if hasattr(run.trainer, "actors"):  # tensor-parallel ranks (rl.cluster.TrainerGroup)
+        pids["trainer_ranks"] = [pid(a) for a in run.trainer.actors]
     (run_dir / "pids.json").write_text(json.dumps(pids) + "\n")
 
 

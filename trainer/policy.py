@@ -120,6 +120,18 @@ def _base_state(model: GPTModel) -> dict[str, Tensor]:
     return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
+def tp_partial_grad_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The adapter parameters (every slot) whose gradient a tensor-parallel rank holds only its
+    share of: those on column-parallel linears, where a rank keeps its output columns of the
+    replicated adapter's delta (trainer.layers). An adapter on a row-parallel linear adds its
+    full delta to the replicated output on every rank, so every rank already holds its full
+    gradient."""
+    from trainer.layers import ParityColumnParallelLinear
+
+    return [p for m in model.modules() if isinstance(m, ParityColumnParallelLinear)
+            for n, p in m.named_parameters() if n.startswith("lora.")]
+
+
 def _fp32_master(p: torch.nn.Parameter) -> torch.nn.Parameter:
     # The optimizer steps fp32 weights; a bf16 model gets a master copy, cast back after a step.
     return p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float())
@@ -144,7 +156,7 @@ class PolicyTrainer:
         sampling: Sampling | None = None,
     ):
         self._settings(model_dir, dtype, parity, lora, trainer, algorithm, sampling)
-        self.model = load_model(model_dir, dtype, parity)
+        self.model = load_model(model_dir, dtype, parity, tp_size=self.config.tensor_parallel_size)
         targets = list(self.lora_config.target_modules)
         rank, alpha = self.lora_config.rank, self.lora_config.alpha
         if self.lora_config.enabled:
@@ -169,6 +181,7 @@ class PolicyTrainer:
             self._critic = lora_lib.adapter_parameters(self.frozen, CRITIC_ADAPTER) + [
                 (f"value_head.{n}", p) for n, p in self.value_head.named_parameters()
             ]
+        self._partial_grads = tp_partial_grad_params(self.model) if self.config.tensor_parallel_size > 1 else []
         self.optimizer = self._build_optimizer()
         self.generator = torch.Generator().manual_seed(seed)  # minibatch shuffling only
         self._last_old_logprobs: list[Tensor] = []
@@ -189,9 +202,10 @@ class PolicyTrainer:
         self.spec = load_spec(model_dir)  # dense ModelSpec or KimiSpec (kimi-mini)
 
     def _check_configs(self) -> None:
-        if self.config.tensor_parallel_size != 1:
-            raise ValueError("trainer.tensor_parallel_size: PolicyTrainer supports 1 only, got "
-                            f"{self.config.tensor_parallel_size}")
+        if self.config.tensor_parallel_size > 1 and not self.lora_config.enabled:
+            raise ValueError(f"trainer.tensor_parallel_size {self.config.tensor_parallel_size} needs "
+                            "lora.enabled: at TP > 1 the trainable parameters are the replicated "
+                            "adapters (a full fine-tune would shard them)")
         if self.algorithm.is_correction != "none" and self.parity:
             raise ValueError(f"algorithm.is_correction {self.algorithm.is_correction!r} needs "
                             "parity false (with parity there is no mismatch to correct)")
@@ -430,6 +444,7 @@ class PolicyTrainer:
                 p.grad = None
 
     def _optimizer_step(self) -> dict[str, float]:
+        self._reduce_tp_grads()
         # Policy and critic are clipped separately: their gradient scales differ, and the
         # critic's early, large gradients must not shrink the policy's step.
         stats = {"ppo/grad_norm": self._clip([m for _, _, m in self._policy])}
@@ -439,6 +454,20 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._sync_masters()
         return stats
+
+    def _reduce_tp_grads(self) -> None:
+        """TP > 1: sum the adapter gradients that each rank holds only a share of (see
+        tp_partial_grad_params), so every rank steps its replica of the adapters with the full
+        gradient and the replicas stay identical (an all-reduce hands every rank the same sum)."""
+        if not self._partial_grads:
+            return
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        for p in self._partial_grads:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
 
     def _clip(self, params: list[torch.nn.Parameter]) -> float:
         """The gradients' total norm before clipping; clips to trainer.grad_clip unless 0."""

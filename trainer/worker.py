@@ -5,6 +5,7 @@ process, with torch.distributed (gloo on the CPU, NCCL on GPUs) and Megatron's p
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -15,19 +16,28 @@ from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 
 
 class TrainerWorker:
+    """One trainer rank. At trainer.tensor_parallel_size = N the driver starts N of these
+    (rl.cluster.TrainerGroup) with the same arguments, ranks 0..N-1 and one rendezvous file,
+    and calls every method on every rank; rank 0's result is the one used."""
+
     def __init__(
         self, model_path: str, dtype: str, *, parity: bool, lora: LoraConfig,
         trainer: TrainerConfig, algorithm: AlgorithmConfig, seed: int,
-        sampling: Sampling | None = None,
+        sampling: Sampling | None = None, rank: int = 0, rendezvous: str | None = None,
     ) -> None:
         from trainer.megatron_patches import init_megatron
         from trainer.policy import PolicyTrainer
 
-        n = os.cpu_count() or 1  # see rollout.worker._set_threads
+        # megatron-core 0.16.1's TP gathers call torch's all_gather_into_tensor, which torch
+        # 2.13 marks deprecated: one FutureWarning per call, in every step's log otherwise.
+        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+        size = trainer.tensor_parallel_size
+        n = max(1, (os.cpu_count() or 1) // size)  # a share of the cores per rank, as vLLM's TP
         os.environ["OMP_NUM_THREADS"] = str(n)
         torch.set_num_threads(n)
-        init_world_of_one()
-        init_megatron(tp_size=trainer.tensor_parallel_size, seed=seed)
+        init_world(rank, size, rendezvous)
+        init_megatron(tp_size=size, seed=seed)
+        self.rank = rank
         self.lora = lora
         self.policy = PolicyTrainer(
             model_path, dtype, parity=parity, lora=lora, trainer=trainer, algorithm=algorithm,
@@ -90,8 +100,12 @@ class TrainerWorker:
         return guarded_train_step(self.policy, batch, old_logprobs)
 
     def save_checkpoint(self, run_dir: str, step: int, extra: dict, keep: int) -> str:
-        from trainer.checkpoint import save_checkpoint
+        """Rank 0 writes (every rank holds the same replicated adapter and optimizer state, so
+        the checkpoint is the TP=1 one and resumes at any TP size); the others write nothing."""
+        from trainer.checkpoint import save_checkpoint, step_dir_name
 
+        if self.rank != 0:
+            return str(Path(run_dir) / "checkpoints" / step_dir_name(step))
         return str(save_checkpoint(Path(run_dir), step, self.policy, extra, keep=keep))
 
     def load_checkpoint(self, path: str) -> dict:
@@ -100,17 +114,23 @@ class TrainerWorker:
         return load_checkpoint(Path(path), self.policy)
 
 
-def init_world_of_one() -> None:
-    """torch.distributed for this process alone, listening on loopback only: the rendezvous
-    goes through a file (a TCPStore, env:// with MASTER_ADDR, listens on every interface, "::",
-    whatever MASTER_ADDR says), and gloo's own socket is on the loopback interface."""
+def init_world(rank: int = 0, size: int = 1, rendezvous: str | None = None) -> None:
+    """torch.distributed for this trainer's ranks, listening on loopback only: the rendezvous
+    goes through a file (`rendezvous`, shared by the ranks; a fresh one for a world of one;
+    a TCPStore, env:// with MASTER_ADDR, listens on every interface, "::", whatever MASTER_ADDR
+    says), and gloo's own socket is on the loopback interface. The ranks run on one node."""
     import tempfile
+    from datetime import timedelta
 
     import torch.distributed as dist
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="kimi-rl-store-"), "store"), 1)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=0, world_size=1)
+    path = rendezvous or os.path.join(tempfile.mkdtemp(prefix="kimi-rl-store-"), "store")
+    store = dist.FileStore(path, size)
+    # A rank that fails leaves the others waiting in a collective: the driver reports the
+    # failed rank's error at once and stops them all; the timeout only bounds a lost rank.
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
+                            world_size=size, timeout=timedelta(minutes=10))
 
 
 def guarded_train_step(policy, batch: dict, old_logprobs: list[torch.Tensor] | None = None) -> dict:

@@ -158,7 +158,7 @@ def test_tp2_lora_and_weight_sync(model_factory, prompt_file):
         assert torch.equal(p[len(c.prompt_ids) - 1 :], t)
 
 
-def test_config_takes_any_rollout_tp_and_refuses_trainer_tp(model_factory, tmp_path):
+def test_config_takes_any_tp_on_either_side(model_factory, tmp_path):
     from rl.config import ConfigError, load_config
 
     path = tmp_path / "c.yaml"
@@ -171,8 +171,20 @@ def test_config_takes_any_rollout_tp_and_refuses_trainer_tp(model_factory, tmp_p
     with pytest.raises(ConfigError, match=rf"{path}:5: rollout.tensor_parallel_size: "
                        "num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
         load_config(path)
-    with pytest.raises(ConfigError, match="trainer.tensor_parallel_size: is 2: kimi-rl train runs the trainer at TP=1"):
-        load_config(path, ["trainer.tensor_parallel_size=2"])
+    cfg = load_config(path, ["rollout.tensor_parallel_size=1", "trainer.tensor_parallel_size=2"])
+    assert cfg.trainer.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="trainer.tensor_parallel_size: num_attention_heads=4 is not "
+                       "divisible by tensor_parallel_size=3"):
+        load_config(path, ["rollout.tensor_parallel_size=1", "trainer.tensor_parallel_size=3"])
+    two = ["rollout.tensor_parallel_size=1", "trainer.tensor_parallel_size=2"]
+    with pytest.raises(ConfigError, match="trainer.tensor_parallel_size: is 2: a TP trainer trains "
+                       "replicated LoRA adapters; set lora.enabled true"):
+        load_config(path, [*two, "lora.enabled=false"])
+    with pytest.raises(ConfigError, match="trainer.tensor_parallel_size: is 2: with parity off"):
+        load_config(path, [*two, "parity.enabled=false"])
+    with pytest.raises(ConfigError, match="trainer.tensor_parallel_size: is 2: tensor parallelism is the "
+                       "megatron backend's"):
+        load_config(path, [*two, "trainer.backend=deepspeed"])
 
 
 def test_check_cli_refuses_indivisible_tp(model_factory, capsys):
