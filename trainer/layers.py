@@ -21,12 +21,42 @@ from parity import kernels, tp
 from parity.autograd import InvariantLinear
 
 
-def _parity_linear(input, weight, bias, allreduce_dgrad, tp_group, **_):
+def _parity_linear(input, weight, bias, allreduce_dgrad, tp_group, packed=None, **_):
     # Megatron's own GEMM function also all-reduces the input gradient across TP ranks when
     # allreduce_dgrad is set; copy_to_tensor_model_parallel_region does exactly that backward.
     if allreduce_dgrad:
         input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-    return kernels.linear(input, weight, bias)
+    return kernels.linear(input, weight, bias, packed=packed)
+
+
+class _FrozenPack:
+    """Keeps the compiled GEMM's pack (parity.kernels.pack) of a frozen weight, made once by
+    `pack_frozen_weights` after the weights are loaded and frozen: the LoRA base, or a full
+    fine-tune's frozen reference copy, which nothing writes again. It is used only for the very
+    tensor it was made from, and only while that tensor is still frozen; a trainable weight
+    (it changes every step) is packed per call."""
+
+    _frozen_pack: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def pack_if_frozen(self) -> None:
+        weight = getattr(self, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and not weight.requires_grad:
+            packed = kernels.pack(weight)
+            self._frozen_pack = None if packed is None else (weight, packed)
+
+    def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
+        held = self._frozen_pack
+        if held is None or held[0] is not weight or weight.requires_grad:
+            return None
+        return held[1]
+
+
+def pack_frozen_weights(model: torch.nn.Module) -> int:
+    """Pack every frozen parity linear weight of `model` once; returns how many were packed."""
+    layers = [m for m in model.modules() if isinstance(m, _FrozenPack)]
+    for m in layers:
+        m.pack_if_frozen()
+    return sum(m._frozen_pack is not None for m in layers)
 
 
 # The adapter slot a parity linear uses unless switched: the policy, the one the rollout mirrors.
@@ -79,20 +109,22 @@ def row_splits(config: TransformerConfig) -> int:
                          config.ffn_hidden_size)
 
 
-def _rank_ordered_linear(x: torch.Tensor, weight: torch.Tensor, k_splits: int, group) -> torch.Tensor:
+def _rank_ordered_linear(
+    x: torch.Tensor, weight: torch.Tensor, k_splits: int, group, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """The row-parallel product of parity.tp.rank_ordered_sum: the rank's fp32 K-slice partials,
     all-gathered, added in slice order in fp32, rounded once (the rollout's exact sum)."""
     import torch.distributed as dist
 
-    partials = kernels.linear_partials(x, weight, k_splits).contiguous()
+    partials = kernels.linear_partials(x, weight, k_splits, packed=packed).contiguous()
     parts = [torch.empty_like(partials) for _ in range(group.size())]
     dist.all_gather(parts, partials, group=group)
     return tp.rank_ordered_sum(torch.cat(parts), x.dtype)
 
 
-class ParityColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
+class ParityColumnParallelLinear(_FrozenPack, _LoRAMixin, ColumnParallelLinear):
     def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, tp_group=None, **kw):
-        return _parity_linear(input, weight, bias, allreduce_dgrad, tp_group)
+        return _parity_linear(input, weight, bias, allreduce_dgrad, tp_group, packed=self.packed(weight))
 
     def forward(self, input_, *args, **kwargs):
         adapter = self.active_adapter()
@@ -108,10 +140,10 @@ class ParityColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
         return out + tp.shard_delta_cols(delta, adapter.fused, rank, size), bias
 
 
-class ParityRowParallelLinear(_LoRAMixin, RowParallelLinear):
+class ParityRowParallelLinear(_FrozenPack, _LoRAMixin, RowParallelLinear):
     def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, tp_group=None, **kw):
         assert not allreduce_dgrad, "a row-parallel input is already sharded"
-        return kernels.linear(input, weight, bias, k_splits=row_splits(self.config))
+        return kernels.linear(input, weight, bias, k_splits=row_splits(self.config), packed=self.packed(weight))
 
     def forward(self, input_):
         if self.tp_group.size() == 1:
@@ -122,7 +154,8 @@ class ParityRowParallelLinear(_LoRAMixin, RowParallelLinear):
         # Backward is the local plain linear's, as for Megatron's all-reduce (identity): the
         # output is replicated, so is its gradient.
         forward = functools.partial(
-            _rank_ordered_linear, k_splits=row_splits(self.config) // self.tp_group.size(), group=self.tp_group
+            _rank_ordered_linear, k_splits=row_splits(self.config) // self.tp_group.size(), group=self.tp_group,
+            packed=self.packed(self.weight),
         )
         out = InvariantLinear.apply(input_, self.weight, forward)
         adapter = self.active_adapter()

@@ -38,7 +38,7 @@ from parity.sampling import Sampling, processed_logits
 from trainer import lora as lora_lib
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from trainer.convert import megatron_to_hf
-from trainer.layers import POLICY_ADAPTER
+from trainer.layers import POLICY_ADAPTER, pack_frozen_weights
 from trainer.logprobs import forward_logits, forward_output, sequence_logprobs
 from trainer.model import load_model
 from trainer.ppo import (
@@ -182,6 +182,10 @@ class PolicyTrainer:
                 (f"value_head.{n}", p) for n, p in self.value_head.named_parameters()
             ]
         self._partial_grads = tp_partial_grad_params(self.model) if self.config.tensor_parallel_size > 1 else []
+        # Frozen weights (the LoRA base, a full fine-tune's reference copy) are never written
+        # again: the compiled GEMM's packs of them are made once, here, not on every forward.
+        for model in {id(m): m for m in (self.model, self.frozen) if m is not None}.values():
+            pack_frozen_weights(model)
         self.optimizer = self._build_optimizer()
         self.generator = torch.Generator().manual_seed(seed)  # minibatch shuffling only
         self._last_old_logprobs: list[Tensor] = []

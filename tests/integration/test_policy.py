@@ -241,3 +241,25 @@ def test_bf16_full_fine_tune_steps_fp32_masters(model_factory, megatron):
     # The model computes with the masters rounded to bf16.
     for name, p in trainer.model.named_parameters():
         assert p.dtype == torch.bfloat16 and torch.equal(p, masters[name].to(torch.bfloat16)), name
+
+
+def test_frozen_weights_are_packed_once_and_give_the_same_bits(path):
+    """The LoRA base is packed once at construction (trainer.layers.pack_frozen_weights); the
+    packs are exactly the per-call ones, the log-probs the same bits as an unpacked trainer's,
+    and a trainable weight (full fine-tune) is never packed."""
+    from parity import kernels
+    from trainer.layers import _FrozenPack
+
+    trainer = make(path)
+    layers = [m for m in trainer.model.modules() if isinstance(m, _FrozenPack) and m._frozen_pack]
+    assert layers, "no frozen weight was packed"
+    for m in layers:
+        weight, packed = m._frozen_pack
+        assert weight is m.weight and torch.equal(packed, kernels.pack(m.weight))
+    packed_logprobs = trainer.logprobs(SEQS, STARTS)
+    for m in layers:
+        m._frozen_pack = None
+    for a, b in zip(packed_logprobs, trainer.logprobs(SEQS, STARTS), strict=True):
+        assert torch.equal(a, b)
+    full = make(path, lora=False)
+    assert not any(m._frozen_pack for m in full.model.modules() if isinstance(m, _FrozenPack))
