@@ -50,11 +50,12 @@ L2_EPS = 1e-6
 
 def adapted_linear(
     x: torch.Tensor, weight: torch.Tensor, parts: Sequence[tuple[str, int]],
-    pairs: dict[str, Pair], scaling: float,
+    pairs: dict[str, Pair], scaling: float, packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """linear(x, W) plus the LoRA delta of each covered part (parts: (name, out size) in the
-    weight's row order; uncovered parts add exact zeros). Both engines' linears end here."""
-    out = kernels.linear(x, weight)
+    weight's row order; uncovered parts add exact zeros). Both engines' linears end here.
+    `packed`: the caller's pack of W (kernels.linear), if it keeps one."""
+    out = kernels.linear(x, weight, packed=packed)
     if not pairs:
         return out
     deltas = [

@@ -429,10 +429,12 @@ def _step_name(step: int) -> str:
 
 
 def _alive(actor) -> bool:
+    """Whether the actor (every rank of a TrainerGroup) answers within 30 s."""
     import ray
 
+    actors = getattr(actor, "actors", [actor])
     try:
-        ray.get(actor.__ray_ready__.remote(), timeout=30)
+        ray.get([a.__ray_ready__.remote() for a in actors], timeout=30)
         return True
     except Exception:  # dead, or not answering: either way it cannot go on
         return False

@@ -58,7 +58,7 @@ from parity.kimi import Pair
 from parity.model_spec import KIMI_ARCHITECTURE, KimiSpec
 from rollout.attention import ParityAttentionBackend, _slot_view
 from rollout.plugin import KDA_BACKEND
-from rollout.sync import SyncedModel
+from rollout.sync import PackedWeight, SyncedModel
 from rollout.vllm_patches import register_mamba_backend
 
 _KDA_BACKEND_PATH = "rollout.kimi.ParityKdaBackend"
@@ -155,10 +155,11 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class _Linear(_Weight):
-    """A linear that ends in `parity.kimi.adapted_linear`. `parts` ((HF module path, out size),
-    in row order) name the pairs it may hold. The pairs are a plain dict, not registered
-    tensors: vLLM's reload and the weight checksums walk the registered ones."""
+class _Linear(PackedWeight):
+    """A linear that ends in `parity.kimi.adapted_linear`, with its weight's pack kept between
+    writes (rollout.sync.PackedWeight). `parts` ((HF module path, out size), in row order) name
+    the pairs it may hold. The pairs are a plain dict, not registered tensors: vLLM's reload and
+    the weight checksums walk the registered ones."""
 
     def __init__(self, out_features: int, in_features: int, path: str, parts, dtype: torch.dtype) -> None:
         super().__init__(out_features, in_features, dtype=dtype)
@@ -168,7 +169,7 @@ class _Linear(_Weight):
         self.scaling = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kimi.adapted_linear(x, self.weight, self.parts, self.pairs, self.scaling)
+        return kimi.adapted_linear(x, self.weight, self.parts, self.pairs, self.scaling, self.pack())
 
 
 class _Linears:
@@ -371,7 +372,7 @@ class ParityKimiModel(nn.Module):
         super().__init__()
         self.spec = spec
         lin = _Linears(spec, dtype)
-        self.embed_tokens = _Weight(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.embed_tokens = PackedWeight(spec.vocab_size, spec.hidden_size, dtype=dtype)  # tied LM head
         self.layers = nn.ModuleList(
             ParityKimiLayer(spec, i, lin, dtype, cache_config) for i in range(spec.num_layers)
         )
@@ -493,7 +494,7 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
         return kernels.rms_norm(x, self.model.norm.weight, self.spec.rms_norm_eps)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(hidden_states, self.model.embed_tokens.weight)
+        return kernels.linear(hidden_states, self.model.embed_tokens.weight, packed=self.model.embed_tokens.pack())
 
     # --- weights --------------------------------------------------------------------------
 

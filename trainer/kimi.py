@@ -38,7 +38,13 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from parity import kimi
 from parity.model_spec import KimiSpec
-from trainer.layers import ParityColumnParallelLinear, ParityRMSNorm, _LoRAMixin, common_config
+from trainer.layers import (
+    ParityColumnParallelLinear,
+    ParityRMSNorm,
+    _FrozenPack,
+    _LoRAMixin,
+    common_config,
+)
 from trainer.megatron_patches import cpu_current_device
 
 Parts = tuple[tuple[str, int], ...]
@@ -68,7 +74,7 @@ def kimi_transformer_config(spec: KimiSpec, dtype: torch.dtype) -> KimiTransform
 # --- building blocks ------------------------------------------------------------------------------
 
 
-class KimiLinear(_LoRAMixin, torch.nn.Module):
+class KimiLinear(_FrozenPack, _LoRAMixin, torch.nn.Module):
     """A bias-free linear whose forward is `parity.kimi.adapted_linear`, plus adapter slots
     (trainer.layers._LoRAMixin semantics: `lora` ModuleDict, `lora_active` slot name).
 
@@ -89,9 +95,11 @@ class KimiLinear(_LoRAMixin, torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         adapter = self.active_adapter()
+        packed = self.packed(self.weight)
         if adapter is None:
-            return kimi.adapted_linear(x, self.weight, self.parts, {}, 0.0)
-        return kimi.adapted_linear(x, self.weight, self.parts, adapter.pairs(self.weight.dtype), adapter.scaling)
+            return kimi.adapted_linear(x, self.weight, self.parts, {}, 0.0, packed)
+        return kimi.adapted_linear(x, self.weight, self.parts, adapter.pairs(self.weight.dtype), adapter.scaling,
+                                   packed)
 
 
 class _Weight(torch.nn.Module):
