@@ -38,7 +38,7 @@ SHRINK: dict[str, str] = {
     ".venv/bin/kimi-rl train configs/quickstart.yaml rollout.tensor_parallel_size=2 run_dir=runs/quickstart-tp2":
     " total_steps=2 data.prompts_per_step=2",
     ".venv/bin/kimi-rl train configs/quickstart.yaml trainer.tensor_parallel_size=2 "
-    "run_dir=runs/quickstart-trainer-tp2": " total_steps=2 data.prompts_per_step=2",
+    "run_dir=runs/quickstart-trainer-tp2": " total_steps=1 data.prompts_per_step=2 rollout.max_tokens=4",
     ".venv/bin/kimi-rl model init --arch kimi-mini --preset tiny --seed 0 --dtype bf16 models/kimi-tiny": "",
     ".venv/bin/kimi-rl train configs/quickstart.yaml model.path=models/kimi-tiny algorithm.name=ppo "
     "total_steps=3 run_dir=runs/kimi-ppo": " data.prompts_per_step=2 rollout.max_tokens=4",
@@ -136,7 +136,7 @@ def test_readme_command(command, user_dir):
     if "run_dir=runs/quickstart-tp2" in command:
         _check_run(user_dir / "runs/quickstart-tp2", 2)
     if "run_dir=runs/quickstart-trainer-tp2" in command:
-        _check_run(user_dir / "runs/quickstart-trainer-tp2", 2)
+        _check_run(user_dir / "runs/quickstart-trainer-tp2", 1)
     if "run_dir=runs/deepspeed" in command:
         _check_run(user_dir / "runs/deepspeed", 2)
     if "myhooks:AdapterNorm" in command:
