@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemm.cpp", "elementwise.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "isa.h"]  # hashed with the sources, not compiled
 # -ffp-contract=off: no implicit fused multiply-adds; the kernels' FMAs are all explicit.
 # -fno-trapping-math / -fno-math-errno: no FP traps and no errno from sqrt, so the compiler may
 # vectorise selects and square roots; neither changes a value (no reassociation, no fast-math).
@@ -27,7 +28,7 @@ CFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math", "-fno-
 
 def build_directory() -> Path:
     digest = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         digest.update(src.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     digest.update(torch.__version__.encode())

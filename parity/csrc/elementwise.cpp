@@ -22,6 +22,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "isa.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -142,7 +144,7 @@ KP_INLINE float apply(float x) {
 // One loop per ISA. The bodies are the same always-inlined code; only the vector width the
 // compiler may use differs, and with it the speed, never the bits.
 template <int OP>
-__attribute__((target("avx512f,avx512dq"))) void unary_avx512(const float* in, float* out, int64_t n) {
+__attribute__((target("avx512f"))) void unary_avx512(const float* in, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = apply<OP>(in[i]);
 }
 
@@ -169,7 +171,7 @@ KP_INLINE float row_sum_body(const float* x, int64_t n) {
   return acc[0] == acc[0] ? acc[0] : from_bits(0x7fc00000u);  // one NaN, as for apply()
 }
 
-__attribute__((target("avx512f,avx512dq"))) void row_sum_avx512(const float* x, float* out, int64_t rows, int64_t n) {
+__attribute__((target("avx512f"))) void row_sum_avx512(const float* x, float* out, int64_t rows, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) out[r] = row_sum_body(x + r * n, n);
 }
 
@@ -181,15 +183,10 @@ __attribute__((optimize("no-tree-vectorize"))) void row_sum_scalar(const float* 
   for (int64_t r = 0; r < rows; ++r) out[r] = row_sum_body(x + r * n, n);
 }
 
-bool cpu_has(const std::string& isa) {
-  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  if (isa == "avx2") return __builtin_cpu_supports("avx2");
-  TORCH_CHECK(isa == "scalar", "kimi_parity: unknown ISA '", isa, "' (avx512, avx2, scalar)");
-  return true;
-}
+using kimi_parity::cpu_has;
 
 const std::string& fastest_isa() {
-  static const std::string isa = cpu_has("avx512") ? "avx512" : cpu_has("avx2") ? "avx2" : "scalar";
+  static const std::string isa = kimi_parity::isas().front();
   return isa;
 }
 

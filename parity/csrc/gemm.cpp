@@ -29,6 +29,8 @@
 
 #include <immintrin.h>
 
+#include "isa.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -134,20 +136,8 @@ const Kernels kAvx512{8, 2, {KIMI_ROWS_2(block_avx512)}};
 const Kernels kAvx2{6, 1, {KIMI_ROWS_1(block_avx2)}};
 const Kernels kScalar{6, 1, {KIMI_ROWS_1(block_scalar)}};
 
-bool cpu_has(const std::string& isa) {
-  __builtin_cpu_init();
-  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return isa == "scalar";
-}
-
-// The code paths this CPU can run, fastest first. Every one computes the same bits.
-std::vector<std::string> isas() {
-  std::vector<std::string> out;
-  for (const char* isa : {"avx512", "avx2", "scalar"})
-    if (cpu_has(isa)) out.emplace_back(isa);
-  return out;
-}
+using kimi_parity::cpu_has;
+using kimi_parity::isas;
 
 const Kernels& kernels_for(const std::string& isa) {
   TORCH_CHECK(cpu_has(isa), "kimi_parity: this CPU cannot run the ", isa, " kernels");
