@@ -33,7 +33,7 @@ def prompt_file(tmp_path_factory):
 def write_random_adapter(model_dir: str, out_dir, rank: int = 4, alpha: float = 8.0, seed: int = 0):
     """A peft adapter on every kimi-mini LoRA target with nonzero A and B (a fresh adapter has
     B = 0 and would test nothing)."""
-    from trainer.lora import peft_config, save_peft
+    from trainer.megatron.lora import peft_config, save_peft
 
     spec = KimiSpec.from_dir(model_dir)
     gen = torch.Generator().manual_seed(seed)
@@ -72,8 +72,8 @@ def test_kimi_experts_and_indexer_positions_equal_trainer(model_factory, prompt_
     with a LoRA adapter on both sides (it moves the hidden states the router and indexer see)."""
     from rl.checker import _attach_adapter, load_adapter
     from rollout.engine import RolloutEngine
-    from trainer.kimi import routing_trace
-    from trainer.model import load_model
+    from trainer.megatron.kimi import routing_trace
+    from trainer.megatron.model import load_model
 
     model_dir = model_factory("kimi-mini", "bf16")
     spec = KimiSpec.from_dir(model_dir)

@@ -14,11 +14,11 @@ from parity import kernels
 from parity import kimi as pk
 from parity.model_spec import KimiSpec, load_spec
 from rl.config import AlgorithmConfig, LoraConfig, TrainerConfig
-from trainer import lora as lora_lib
-from trainer.convert import hf_to_megatron, megatron_to_hf, megatron_to_rollout
-from trainer.kimi import routing_trace
-from trainer.logprobs import sequence_logprobs
-from trainer.model import load_model
+from trainer.megatron import lora as lora_lib
+from trainer.megatron.convert import hf_to_megatron, megatron_to_hf, megatron_to_rollout
+from trainer.megatron.kimi import routing_trace
+from trainer.megatron.logprobs import sequence_logprobs
+from trainer.megatron.model import load_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TARGETS = list(pk.LORA_TARGETS)
@@ -288,7 +288,7 @@ def test_kimi_lora_fresh_is_neutral_nonzero_b_changes_and_names_are_peft(model_f
 
 
 def test_kimi_grpo_step_with_lora_moves_the_adapter(model_factory, megatron):
-    from trainer.policy import Batch, PolicyTrainer
+    from trainer.megatron.policy import Batch, PolicyTrainer
 
     path = model_factory("kimi-mini", "fp32")
     trainer = PolicyTrainer(
@@ -315,7 +315,7 @@ def test_kimi_grpo_step_with_lora_moves_the_adapter(model_factory, megatron):
 
 
 def test_kimi_ppo_critic_reads_final_hidden(model_factory, megatron):
-    from trainer.policy import Batch, PolicyTrainer
+    from trainer.megatron.policy import Batch, PolicyTrainer
 
     trainer = PolicyTrainer(
         model_factory("kimi-mini", "fp32"), "fp32", True,
@@ -332,7 +332,7 @@ def test_kimi_ppo_critic_reads_final_hidden(model_factory, megatron):
 
 
 def test_kimi_full_fine_tune_step_exports_hf_weights(model_factory, megatron):
-    from trainer.policy import Batch, PolicyTrainer
+    from trainer.megatron.policy import Batch, PolicyTrainer
 
     path = model_factory("kimi-mini", "bf16")
     trainer = PolicyTrainer(path, "bf16", True, LoraConfig(enabled=False),
@@ -347,7 +347,7 @@ def test_kimi_full_fine_tune_step_exports_hf_weights(model_factory, megatron):
 
 
 def test_kimi_refuses_stock_megatron_and_tensor_parallel(model_factory, megatron):
-    from trainer.kimi import build_kimi_gpt
+    from trainer.megatron.kimi import build_kimi_gpt
 
     path = model_factory("kimi-mini")
     with pytest.raises(ValueError, match="parity=True"):

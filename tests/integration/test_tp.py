@@ -117,7 +117,7 @@ def test_tp2_lora_and_weight_sync(model_factory, prompt_file):
     from parity.model_spec import ModelSpec
     from parity.wire import pack_tensors
     from rollout.engine import RolloutEngine
-    from trainer.convert import hf_to_megatron, megatron_to_rollout
+    from trainer.megatron.convert import hf_to_megatron, megatron_to_rollout
 
     model_dir = model_factory("llama", "fp32")
     spec = ModelSpec.from_dir(model_dir)

@@ -1,7 +1,9 @@
-"""The trainer side of one PPO / GRPO / RLOO step on the Megatron model, free of Ray.
+"""The Megatron backend's PolicyTrainer: trainer.step.PolicyStep (the PPO / GRPO / RLOO step both
+backends run) on the Megatron model, free of Ray.
 
 `PolicyTrainer` owns the policy, the reference policy, the PPO critic and the optimizer; the
-Ray actor in rl/ wraps it. Everything goes in and out as token lists, tensors and floats.
+Ray actor (trainer.megatron.worker) wraps it. Everything goes in and out as token lists,
+tensors and floats.
 
 - Policy: LoRA adapters (fp32 masters) on a frozen base, or every weight for a full fine-tune.
 - Reference: with LoRA, the policy model with its adapters switched off (no second copy). A
@@ -9,22 +11,17 @@ Ray actor in rl/ wraps it. Everything goes in and out as token lists, tensors an
   needs one: for the reference (kl_coef > 0) and as the critic's base (ppo).
 - Critic (ppo): its own LoRA slot ("critic") on the frozen base plus an fp32 value head on the
   final-norm hidden states. The policy slot's forward math is untouched by it.
-- Old log-probs are `trainer.logprobs.sequence_logprobs` of the current policy, so with parity
-  on they are bitwise the rollout engine's. Every policy log-prob (old, new, the entropy) is of
-  the distribution the rollout samples from (`sampling`: temperature, top-k, top-p, computed by
-  parity.sampling as vLLM's sampler does); the reference's is temperature-scaled only (its
-  top-p set is not the policy's, and a sampled token outside it would make the KL infinite). parity=False trains the stock Megatron model (its
-  linears get the adapter hook) and may correct the mismatch with TIS / MIS weights.
-
-Sequences are token lists; `starts[i]` is the prompt length, and tokens seq[start:] (the
-response) are scored. Token-level tensors are [N, T] over response tokens, padded with a mask.
+- Old log-probs are `trainer.megatron.logprobs.sequence_logprobs` of the current policy, so
+  with parity on they are bitwise the rollout engine's. Every policy log-prob (old, new, the
+  entropy) is of the distribution the rollout samples from (`sampling`: temperature, top-k,
+  top-p, computed by parity.sampling as vLLM's sampler does); the reference's is
+  temperature-scaled only (its top-p set is not the policy's, and a sampled token outside it
+  would make the KL infinite). parity=False trains the stock Megatron model (its linears get
+  the adapter hook) and may correct the mismatch with TIS / MIS weights.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,77 +30,14 @@ from megatron.core.models.gpt import GPTModel
 from torch import Tensor
 
 from parity import kernels
-from parity.model_spec import load_spec
 from parity.sampling import Sampling, processed_logits
-from trainer import lora as lora_lib
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
-from trainer.convert import megatron_to_hf
-from trainer.layers import POLICY_ADAPTER, pack_frozen_weights
-from trainer.logprobs import forward_logits, forward_output, sequence_logprobs
-from trainer.model import load_model
-from trainer.ppo import (
-    entropy_from_logits,
-    gae,
-    grpo_advantages,
-    importance_weights,
-    kl_estimate,
-    masked_mean,
-    masked_sum,
-    masked_whiten,
-    policy_loss,
-    rloo_advantages,
-    sequence_reward_to_tokens,
-    value_loss,
-)
-
-CRITIC_ADAPTER = "critic"
-
-
-@dataclass
-class Batch:
-    """One step's rollouts. The samples of a prompt are consecutive rows, `group_size` each."""
-
-    sequences: list[list[int]]  # prompt + response token ids
-    starts: list[int]  # prompt lengths (>= 1): tokens seq[start:] are scored
-    rollout_logprobs: list[Tensor]  # float32 [len - start] each, from the rollout engine
-    rewards: Tensor  # [N], one per sequence
-    group_size: int = 1
-    group_ids: list[int] | None = None  # optional; checked to come in blocks of group_size
-
-
-@dataclass
-class _Micro:
-    """A right-padded micro-batch: what one forward pass needs."""
-
-    rows: list[int]  # its rows in the batch
-    ids: Tensor  # [B, W] token ids
-    index: Tensor  # [B, T] logits position that scores response token t (0 on padding)
-    lengths: list[int]  # response lengths
-
-
-def _micro(sequences: list[list[int]], starts: list[int], rows: list[int]) -> _Micro:
-    seqs = [sequences[r] for r in rows]
-    lengths = [len(sequences[r]) - starts[r] for r in rows]
-    ids = torch.zeros(len(rows), max(len(s) for s in seqs), dtype=torch.long)
-    index = torch.zeros(len(rows), max(lengths), dtype=torch.long)
-    for j, (r, seq, n) in enumerate(zip(rows, seqs, lengths, strict=True)):
-        ids[j, : len(seq)] = torch.tensor(seq)
-        # Position p's logits predict token p + 1, so response token t (at start + t) is
-        # scored at start - 1 + t, as in sequence_logprobs.
-        index[j, :n] = torch.arange(starts[r] - 1, starts[r] - 1 + n)
-    return _Micro(rows, ids, index, lengths)
-
-
-def _chunks(rows: list[int], size: int) -> list[list[int]]:
-    return [rows[i : i + size] for i in range(0, len(rows), size)]
-
-
-def _pad(rows: list[Tensor], width: int) -> Tensor:
-    """Stack 1-D float tensors into [N, width], zero beyond each row's end."""
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        out[i, : row.numel()] = row
-    return out
+from trainer.megatron import lora as lora_lib
+from trainer.megatron.convert import megatron_to_hf
+from trainer.megatron.layers import POLICY_ADAPTER, pack_frozen_weights
+from trainer.megatron.logprobs import forward_logits, forward_output, sequence_logprobs
+from trainer.megatron.model import load_model
+from trainer.step import CRITIC_ADAPTER, Micro, PolicyStep
 
 
 def final_hidden(model: GPTModel, input_ids: Tensor) -> Tensor:
@@ -123,10 +57,10 @@ def _base_state(model: GPTModel) -> dict[str, Tensor]:
 def tp_partial_grad_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The adapter parameters (every slot) whose gradient a tensor-parallel rank holds only its
     share of: those on column-parallel linears, where a rank keeps its output columns of the
-    replicated adapter's delta (trainer.layers). An adapter on a row-parallel linear adds its
+    replicated adapter's delta (trainer.megatron.layers). An adapter on a row-parallel linear adds its
     full delta to the replicated output on every rank, so every rank already holds its full
     gradient."""
-    from trainer.layers import ParityColumnParallelLinear
+    from trainer.megatron.layers import ParityColumnParallelLinear
 
     return [p for m in model.modules() if isinstance(m, ParityColumnParallelLinear)
             for n, p in m.named_parameters() if n.startswith("lora.")]
@@ -137,10 +71,10 @@ def _fp32_master(p: torch.nn.Parameter) -> torch.nn.Parameter:
     return p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float())
 
 
-class PolicyTrainer:
+class PolicyTrainer(PolicyStep):
     """Policy (+ critic) training on rollouts; see the module docstring.
 
-    Call trainer.megatron_patches.init_megatron() first (once per process). Deterministic: the
+    Call trainer.megatron.patches.init_megatron() first (once per process). Deterministic: the
     same seed and inputs give bitwise the same results, also across state_dict/load_state_dict.
     """
 
@@ -192,28 +126,6 @@ class PolicyTrainer:
 
     # --- setup ----------------------------------------------------------------------------
 
-    def _settings(self, model_dir, dtype: str, parity: bool, lora: LoraConfig | None,
-                  trainer: TrainerConfig | None, algorithm: AlgorithmConfig | None,
-                  sampling: Sampling | None) -> None:
-        """The settings every trainer backend holds (defaults filled in, checked) and the spec."""
-        self.model_dir = Path(model_dir)
-        self.sampling = sampling or Sampling()
-        self.dtype, self.parity = dtype, parity
-        self.lora_config = lora or LoraConfig()
-        self.config = trainer or TrainerConfig()
-        self.algorithm = algorithm or AlgorithmConfig()
-        self._check_configs()
-        self.spec = load_spec(model_dir)  # dense ModelSpec or KimiSpec (kimi-mini)
-
-    def _check_configs(self) -> None:
-        if self.config.tensor_parallel_size > 1 and not self.lora_config.enabled:
-            raise ValueError(f"trainer.tensor_parallel_size {self.config.tensor_parallel_size} needs "
-                            "lora.enabled: at TP > 1 the trainable parameters are the replicated "
-                            "adapters (a full fine-tune would shard them)")
-        if self.algorithm.is_correction != "none" and self.parity:
-            raise ValueError(f"algorithm.is_correction {self.algorithm.is_correction!r} needs "
-                            "parity false (with parity there is no mismatch to correct)")
-
     def _build_optimizer(self) -> torch.optim.Optimizer:
         cfg = self.config
         groups = [{"params": [m for _, _, m in self._policy], "lr": cfg.lr}]
@@ -229,11 +141,6 @@ class PolicyTrainer:
             raise ValueError(f"trainer.optimizer: {cfg.optimizer!r} needs DeepSpeed, which is not "
                             f"installed ({e}); use trainer.optimizer: adamw") from None
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-
-    @property
-    def lora_scaling(self) -> float | None:
-        """alpha / rank of the policy adapter, which the rollout model applies; None when full."""
-        return self.lora_config.alpha / self.lora_config.rank if self.lora_config.enabled else None
 
     # --- scoring --------------------------------------------------------------------------
 
@@ -255,19 +162,7 @@ class PolicyTrainer:
         with lora_lib.adapters_disabled(self.frozen):
             return sequence_logprobs(self.frozen, sequences, starts, self.config.micro_batch_size, tempered)
 
-    @torch.no_grad()
-    def values(self, sequences: list[list[int]], starts: list[int]) -> list[Tensor]:
-        """Critic values V(seq[:start + t]) for each response token t, float32 [len - start]."""
-        if self.value_head is None:
-            raise ValueError("values() needs the critic, which only algorithm.name ppo has")
-        out = []
-        for rows in _chunks(list(range(len(sequences))), self.config.micro_batch_size):
-            mb = _micro(sequences, starts, rows)
-            v = self._critic_forward(mb)
-            out += [v[j, :n].clone() for j, n in enumerate(mb.lengths)]
-        return out
-
-    def _policy_forward(self, mb: _Micro) -> tuple[Tensor, Tensor]:
+    def _policy_forward(self, mb: Micro) -> tuple[Tensor, Tensor]:
         """(log-probs [B, T] of the response tokens, logits [B, W - 1, V] of the sampled
         distribution), with grad."""
         logits = processed_logits(forward_logits(self.model, mb.ids)[:, :-1], self.sampling)
@@ -276,7 +171,7 @@ class PolicyTrainer:
         logp = kernels.token_logprobs(logits, mb.ids[:, 1:]).gather(1, mb.index)
         return logp, logits
 
-    def _critic_forward(self, mb: _Micro) -> Tensor:
+    def _critic_forward(self, mb: Micro) -> Tensor:
         """Values [B, T] at the positions that score the response tokens."""
         with lora_lib.adapter_active(self.frozen, CRITIC_ADAPTER):
             hidden = final_hidden(self.frozen, mb.ids).float()
@@ -284,157 +179,9 @@ class PolicyTrainer:
         values = kernels.linear(hidden, self.value_head.weight, self.value_head.bias)
         return values.squeeze(-1).gather(1, mb.index)
 
-    # --- training -------------------------------------------------------------------------
-
-    def train_step(self, batch: Batch | dict[str, Any], old_logprobs: list[Tensor] | None = None) -> dict[str, float]:
-        """Score the batch, compute advantages, and run ppo_epochs x minibatches optimizer
-        steps (micro-batches of trainer.micro_batch_size, gradients accumulated).
-
-        Stats are each minibatch's token mean, averaged over the step's minibatches, except
-        `ppo/kl` (k3 KL(old || new) on the last minibatch). The old log-probs it computes are
-        kept for `last_old_logprobs()`, to compare with the rollout's without scoring twice;
-        `old_logprobs`, when given, are those of an earlier `logprobs(sequences, starts)` call
-        (the caller compared them before deciding to update) and are not computed again.
-        """
-        batch = batch if isinstance(batch, Batch) else Batch(**batch)
-        self._check_batch(batch)
-        algo = self.algorithm
-        seqs, starts = batch.sequences, batch.starts
-        old_list = self.logprobs(seqs, starts) if old_logprobs is None else old_logprobs
-        self._last_old_logprobs = old_list
-        width = max(t.numel() for t in old_list)
-        mask = _pad([torch.ones(t.numel()) for t in old_list], width)
-        old = _pad(old_list, width)
-        ref = _pad(self.ref_logprobs(seqs, starts), width) if algo.kl_coef > 0 else None
-        old_values = _pad(self.values(seqs, starts), width) if self.value_head is not None else None
-        advantages, returns = self._advantages(batch, old, ref, old_values, mask)
-
-        stats = {"ref/kl": 0.0}
-        if ref is not None:
-            stats["ref/kl"] = masked_mean(kl_estimate(old, ref, algo.kl_estimator), mask).item()
-        is_weights = None
-        if not self.parity and algo.is_correction != "none":
-            rollout = _pad([t.float() for t in batch.rollout_logprobs], width)
-            is_weights, is_stats = importance_weights(old, rollout, mask, algo.is_correction, algo.is_cap)
-            stats.update({f"is/{k.removeprefix('is_')}": v for k, v in is_stats.items()})
-        tensors = dict(old=old, mask=mask, advantages=advantages, ref=ref, is_weights=is_weights,
-                       old_values=old_values, returns=returns)
-
-        totals: dict[str, float] = defaultdict(float)
-        steps = 0
-        for _ in range(algo.ppo_epochs):
-            perm = torch.randperm(len(seqs), generator=self.generator)
-            for rows in perm.tensor_split(algo.minibatches):
-                last = self._minibatch_step(batch, rows.tolist(), tensors)
-                for k, v in last.items():
-                    totals[k] += v
-                steps += 1
-        stats.update({k: v / steps for k, v in totals.items()})
-        stats["ppo/kl"] = last["ppo/kl"]
-        stats["train/optimizer_steps"] = float(steps)
-        stats["train/response_tokens"] = mask.sum().item()
-        return stats
-
-    def last_old_logprobs(self) -> list[Tensor]:
-        """The old-policy log-probs the last train_step computed (compare with the rollout's)."""
-        return self._last_old_logprobs
-
-    def _check_batch(self, batch: Batch) -> None:
-        n = len(batch.sequences)
-        if not (len(batch.starts) == len(batch.rollout_logprobs) == batch.rewards.numel() == n):
-            raise ValueError("batch: sequences, starts, rollout_logprobs and rewards differ in length")
-        rows = zip(batch.sequences, batch.starts, batch.rollout_logprobs, strict=True)
-        for i, (seq, start, lp) in enumerate(rows):
-            if not 1 <= start < len(seq):
-                raise ValueError(f"batch: sequence {i} has start {start} outside [1, {len(seq)})")
-            if lp.numel() != len(seq) - start:
-                raise ValueError(f"batch: sequence {i} has {len(seq) - start} response tokens but "
-                                 f"{lp.numel()} rollout log-probs")
-        if n < self.algorithm.minibatches:
-            raise ValueError(f"batch: {n} sequences do not split into "
-                             f"{self.algorithm.minibatches} minibatches")
-        g = batch.group_size
-        if n % g:
-            raise ValueError(f"batch: {n} sequences do not split into groups of {g}")
-        if batch.group_ids is not None:
-            blocks = [batch.group_ids[i : i + g] for i in range(0, n, g)]
-            one_id_each = all(len(set(b)) == 1 for b in blocks)
-            if len(batch.group_ids) != n or not one_id_each or len({b[0] for b in blocks}) != len(blocks):
-                raise ValueError(f"batch: group_ids must come in consecutive blocks of {g}")
-
-    def _advantages(
-        self, batch: Batch, old: Tensor, ref: Tensor | None, values: Tensor | None, mask: Tensor
-    ) -> tuple[Tensor, Tensor | None]:
-        """(advantages [N, T], returns [N, T] for ppo else None)."""
-        algo = self.algorithm
-        rewards = batch.rewards.float()
-        # kl_mode "reward": the KL to the reference is a per-token cost (ppo), or its sum over
-        # the response a per-sequence cost (grpo / rloo, whose baselines work on sequences).
-        kl = kl_estimate(old, ref, algo.kl_estimator) if ref is not None and algo.kl_mode == "reward" else None
-        if algo.name == "ppo":
-            token_rewards = sequence_reward_to_tokens(rewards, mask)
-            if kl is not None:
-                token_rewards = token_rewards - algo.kl_coef * kl
-            advantages, returns = gae(token_rewards, values, mask, algo.gamma, algo.lam)
-            # Whitened over the batch, as usual for PPO on LLMs: the step size then does not
-            # depend on the reward scale.
-            return masked_whiten(advantages, mask), returns
-        if kl is not None:
-            rewards = rewards - algo.kl_coef * masked_sum(kl, mask, dim=1)
-        fn = grpo_advantages if algo.name == "grpo" else rloo_advantages
-        seq_adv = fn(rewards, batch.group_size)
-        return torch.where(mask > 0, seq_adv[:, None], torch.zeros(())), None
-
-    def _minibatch_step(self, batch: Batch, rows: list[int], t: dict[str, Tensor | None]) -> dict[str, float]:
-        """Accumulate gradients over the micro-batches of `rows`, then one optimizer step."""
-        algo = self.algorithm
-        total_tokens = t["mask"][rows].sum().clamp_min(1.0)
-        acc: dict[str, float] = defaultdict(float)
-        micro_batches = self._micro_batches(rows)
-        for i, micro_rows in enumerate(micro_batches):
-            mb = _micro(batch.sequences, batch.starts, micro_rows)
-            width = mb.index.shape[1]
-            m = {k: None if v is None else v[micro_rows, :width] for k, v in t.items()}
-            mask = m["mask"]
-            # Each micro-batch's token mean, weighted by its share of the minibatch's tokens:
-            # the accumulated gradient is that of the minibatch's token mean.
-            weight = mask.sum() / total_tokens
-            logp, logits = self._policy_forward(mb)
-            loss, pg_stats = policy_loss(logp, m["old"], m["advantages"], mask, algo.clip_eps,
-                                         m["is_weights"])
-            parts = {"ppo/policy_loss": loss.detach(), "ppo/clipfrac": pg_stats["clipfrac"],
-                     "ppo/kl": pg_stats["approx_kl"]}
-            # Response positions only: the prompt's entropy is neither trained nor reported.
-            vocab = logits.shape[-1]
-            response_logits = logits.gather(1, mb.index.unsqueeze(-1).expand(-1, -1, vocab))
-            if algo.entropy_coef == 0:
-                response_logits = response_logits.detach()  # a statistic only: keep no graph
-            entropy = masked_mean(entropy_from_logits(response_logits), mask)
-            loss = loss - algo.entropy_coef * entropy
-            parts["ppo/entropy"] = entropy.detach()
-            if algo.kl_coef > 0 and algo.kl_mode == "loss":
-                kl = masked_mean(kl_estimate(logp, m["ref"], algo.kl_estimator), mask)
-                loss = loss + algo.kl_coef * kl
-                parts["ppo/kl_loss"] = kl.detach()
-            if self.value_head is not None:
-                vloss, v_stats = value_loss(self._critic_forward(mb), m["old_values"],
-                                            m["returns"], mask, algo.value_clip_eps)
-                loss = loss + algo.vf_coef * vloss
-                parts["critic/value_loss"] = vloss.detach()
-                parts["critic/vf_clipfrac"] = v_stats["vf_clipfrac"]
-            self._backward(loss * weight, last=i == len(micro_batches) - 1)
-            for k, v in parts.items():
-                acc[k] += float(v) * weight.item()
-        acc.update(self._optimizer_step())
-        return acc
-
-    def _micro_batches(self, rows: list[int]) -> list[list[int]]:
-        """The micro-batches of a minibatch that this trainer runs (a data-parallel backend
-        runs its rank's share)."""
-        return _chunks(rows, self.config.micro_batch_size)
+    # --- training: backward and optimizer step ------------------------------------------
 
     def _backward(self, loss: Tensor, last: bool) -> None:
-        """Accumulate one micro-batch's gradients; `last`: the minibatch's last micro-batch."""
         loss.backward()
         self._accumulate_master_grads()
 
@@ -496,10 +243,6 @@ class PolicyTrainer:
             tensors = megatron_to_hf(_base_state(self.model), self.spec)
         return {k: v.detach().clone() for k, v in tensors.items()}
 
-    def _kind(self) -> dict[str, Any]:
-        lora = dataclasses.asdict(self.lora_config) if self.lora_config.enabled else None
-        return {"lora": lora, "algorithm": self.algorithm.name, "dtype": self.dtype}
-
     def state_dict(self) -> dict[str, Any]:
         """Trainable params (fp32 masters), critic, optimizer and RNG states. Like torch's
         state_dict it references live tensors: save it before the next train_step."""
@@ -532,4 +275,3 @@ def _copy_named(dst: dict[str, Tensor], src: dict[str, Tensor]) -> None:
     for name, tensor in dst.items():
         if tensor.shape != src[name].shape:
             raise ValueError(f"{name}: shape {tuple(src[name].shape)}, expected {tuple(tensor.shape)}")
-        tensor.copy_(src[name])
