@@ -199,8 +199,8 @@ def trainer() -> None:
 
     from rl.models import init_model
     from trainer.megatron.logprobs import sequence_logprobs
-    from trainer.megatron.patches import init_megatron
     from trainer.megatron.model import load_model
+    from trainer.megatron.patches import init_megatron
 
     init_megatron()
     tmp = Path(tempfile.mkdtemp())

@@ -53,7 +53,8 @@ def main() -> None:
     from trainer.config import AlgorithmConfig, DeepSpeedConfig, LoraConfig, TrainerConfig
     from trainer.deepspeed.engine import init_distributed
     from trainer.deepspeed.policy import DeepSpeedPolicyTrainer
-    from trainer.megatron.patches import free_port, init_megatron
+    from trainer.distributed import free_port
+    from trainer.megatron.patches import init_megatron
     from trainer.megatron.policy import PolicyTrainer
 
     ap = argparse.ArgumentParser(description=__doc__)

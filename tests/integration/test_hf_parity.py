@@ -42,9 +42,9 @@ def _trained_adapter(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _score_both(model_dir, dtype, targets):
     """(megatron, hf batched, hf one at a time) log-probs, and the two models."""
     from trainer.deepspeed import lora as hf_lora
-    from trainer.megatron import lora as megatron_lora
     from trainer.deepspeed.model import load_hf_model
     from trainer.deepspeed.model import sequence_logprobs as hf_logprobs
+    from trainer.megatron import lora as megatron_lora
     from trainer.megatron.logprobs import sequence_logprobs
     from trainer.megatron.model import load_model
 
@@ -79,8 +79,8 @@ def test_base_model_logprobs_equal_megatron(megatron, model_factory, arch, dtype
 @pytest.mark.parametrize("arch,dtype", CASES, ids=IDS)
 def test_lora_logprobs_equal_megatron(megatron, model_factory, arch, dtype):
     from trainer.deepspeed import lora as hf_lora
-    from trainer.megatron import lora as megatron_lora
     from trainer.deepspeed.model import sequence_logprobs as hf_logprobs
+    from trainer.megatron import lora as megatron_lora
     from trainer.megatron.logprobs import sequence_logprobs
 
     targets = list(TARGETS) if arch == "llama" else ["q_proj", "v_proj", "down_proj"]

@@ -14,6 +14,7 @@ from parity import kernels
 from parity import kimi as pk
 from parity.model_spec import KimiSpec, load_spec
 from rl.config import AlgorithmConfig, LoraConfig, TrainerConfig
+from trainer.checkpoint import peft_config, save_peft
 from trainer.megatron import lora as lora_lib
 from trainer.megatron.convert import hf_to_megatron, megatron_to_hf, megatron_to_rollout
 from trainer.megatron.kimi import routing_trace
@@ -276,7 +277,7 @@ def test_kimi_lora_fresh_is_neutral_nonzero_b_changes_and_names_are_peft(model_f
     hf = load_file(f"{path}/model.safetensors")
     want, _ = reference_logprobs(hf, spec, seqs[0], (_pairs(lora_lib.rollout_tensors(model)), 8.0 / 4))
     assert torch.equal(adapted[0], want)
-    lora_lib.save_peft(tmp_path, lora_lib.rollout_tensors(model), lora_lib.peft_config(4, 8.0, TARGETS, path))
+    save_peft(tmp_path, lora_lib.rollout_tensors(model), peft_config(4, 8.0, TARGETS, path))
     assert set(load_file(str(tmp_path / "adapter_model.safetensors"))) == expected
     assert all(torch.equal(a, b) for a, b in zip(base, disabled, strict=True))
 
@@ -288,7 +289,8 @@ def test_kimi_lora_fresh_is_neutral_nonzero_b_changes_and_names_are_peft(model_f
 
 
 def test_kimi_grpo_step_with_lora_moves_the_adapter(model_factory, megatron):
-    from trainer.megatron.policy import Batch, PolicyTrainer
+    from trainer.megatron.policy import PolicyTrainer
+    from trainer.step import Batch
 
     path = model_factory("kimi-mini", "fp32")
     trainer = PolicyTrainer(
@@ -315,7 +317,8 @@ def test_kimi_grpo_step_with_lora_moves_the_adapter(model_factory, megatron):
 
 
 def test_kimi_ppo_critic_reads_final_hidden(model_factory, megatron):
-    from trainer.megatron.policy import Batch, PolicyTrainer
+    from trainer.megatron.policy import PolicyTrainer
+    from trainer.step import Batch
 
     trainer = PolicyTrainer(
         model_factory("kimi-mini", "fp32"), "fp32", True,
@@ -332,7 +335,8 @@ def test_kimi_ppo_critic_reads_final_hidden(model_factory, megatron):
 
 
 def test_kimi_full_fine_tune_step_exports_hf_weights(model_factory, megatron):
-    from trainer.megatron.policy import Batch, PolicyTrainer
+    from trainer.megatron.policy import PolicyTrainer
+    from trainer.step import Batch
 
     path = model_factory("kimi-mini", "bf16")
     trainer = PolicyTrainer(path, "bf16", True, LoraConfig(enabled=False),

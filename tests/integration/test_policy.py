@@ -22,7 +22,8 @@ from trainer.checkpoint import (
 )
 from trainer.megatron.logprobs import forward_logits, sequence_logprobs
 from trainer.megatron.model import load_model
-from trainer.megatron.policy import Batch, PolicyTrainer
+from trainer.megatron.policy import PolicyTrainer
+from trainer.step import Batch
 
 # Two prompts x two samples (group_size 2), ragged lengths.
 _G = torch.Generator().manual_seed(0)

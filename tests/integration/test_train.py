@@ -101,8 +101,8 @@ def test_checkpoint_adapter_loads_in_stock_vllm(ppo_run, model_factory):
     from parity.model_spec import ModelSpec
     from trainer.megatron.logprobs import sequence_logprobs
     from trainer.megatron.lora import adapters_disabled, apply_lora, load_peft_state_dict
-    from trainer.megatron.patches import init_megatron
     from trainer.megatron.model import load_model
+    from trainer.megatron.patches import init_megatron
 
     init_megatron()
     model = load_model(model_factory("llama"), "fp32", parity=True).eval()

@@ -26,8 +26,9 @@ REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])
 def _rank(rank: int, size: int, rendezvous: str, path: str, out: str) -> None:
     """One trainer rank: two PPO steps on a fixed batch; saves what the test compares."""
     from trainer.megatron.patches import init_megatron
-    from trainer.megatron.policy import Batch, PolicyTrainer
+    from trainer.megatron.policy import PolicyTrainer
     from trainer.megatron.worker import init_world
+    from trainer.step import Batch
 
     torch.set_num_threads(1)
     init_world(rank, size, rendezvous)
