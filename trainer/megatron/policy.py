@@ -275,3 +275,4 @@ def _copy_named(dst: dict[str, Tensor], src: dict[str, Tensor]) -> None:
     for name, tensor in dst.items():
         if tensor.shape != src[name].shape:
             raise ValueError(f"{name}: shape {tuple(src[name].shape)}, expected {tuple(tensor.shape)}")
+        tensor.copy_(src[name])
