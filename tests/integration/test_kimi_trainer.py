@@ -1,4 +1,4 @@
-"""kimi-mini on the Megatron trainer (trainer/kimi.py): HF <-> Megatron conversion, the rollout's
+"""kimi-mini on the Megatron trainer (trainer/megatron/kimi.py): HF <-> Megatron conversion, the rollout's
 parameter names, bitwise agreement with a plain loop over parity/kimi.py on the HF weights,
 padding invariance, LoRA (neutral when fresh, peft names) and a GRPO step."""
 
@@ -311,7 +311,7 @@ def test_kimi_grpo_step_with_lora_moves_the_adapter(model_factory, megatron):
     assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if ".lora." not in n)
     gains = [(a - b).sum().item() for a, b in zip(trainer.logprobs(seqs, starts), before, strict=True)]
     assert gains[0] > 0 and gains[3] > 0, gains
-    # The rollout full-weight sync names (trainer/worker.py) hold for kimi too.
+    # The rollout full-weight sync names (trainer/megatron/worker.py) hold for kimi too.
     state = {k: v for k, v in trainer.model.state_dict().items() if torch.is_tensor(v) and ".lora." not in k}
     assert "model.layers.0.mlp.experts.0.gate_up_proj.weight" in megatron_to_rollout(state, trainer.spec)
 

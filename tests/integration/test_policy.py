@@ -1,4 +1,4 @@
-"""PolicyTrainer (trainer/policy.py) and its checkpoints (trainer/checkpoint.py) on the tiny
+"""PolicyTrainer (trainer/megatron/policy.py, the step in trainer/step.py) and its checkpoints (trainer/checkpoint.py) on the tiny
 Megatron llama: old log-probs are sequence_logprobs bitwise, the LoRA reference is the base,
 GRPO / RLOO / PPO steps learn, runs are deterministic, a resume is bitwise the uninterrupted
 run, and the saved adapter loads in HF transformers + peft."""
