@@ -31,10 +31,12 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
     """(trajectories, the engine's raw completions per turn), from one vLLM engine."""
     from transformers import AutoTokenizer
 
+    from parity.hf_config import register_hf_config
     from parity.model_spec import load_spec
     from rl.env import Budget, run_trajectories
     from rollout.engine import RolloutEngine
 
+    register_hf_config()  # kimi-mini's config.json names a model type transformers lacks
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     envs = [env_cls(tokenizer=tokenizer, reward_fn=lambda text, sample: 0.0) for _ in samples]
     context = load_spec(args.model).max_position_embeddings

@@ -1,8 +1,9 @@
 """Agentic (multi-turn) rollouts on real vLLM and real Megatron.
 
-Exact across turns: trajectories of 3 model turns with a tool observation between turns
-(rl.env.ProbeEnv: the chat template's tool turn, as ids) are sampled turn by turn by one vLLM
-engine, whose every turn's input is the previous turn's ids plus the observation ids; then the
+Exact across turns (tiny Llama, Qwen3 and kimi-mini, fp32 and bf16): trajectories of 3 model
+turns with a tool observation between turns (rl.env.ProbeEnv: the chat template's tool turn,
+as ids) are sampled turn by turn by one vLLM engine (prefix caching off: each turn's prefill
+recomputes the whole trajectory), whose every turn's input is the previous turn's ids plus the observation ids; then the
 Megatron trainer scores each whole trajectory teacher-forced in one pass. Every model-generated
 token of every turn has a rollout log-prob torch.equal to the trainer's; the observation tokens
 are masked (asserted from the mask) and were never sampled. The trajectory's ids are exactly
@@ -24,7 +25,8 @@ from rl.checker import CheckArgs, env_samples, rescore
 from rl.env import ProbeEnv, tool_turn_ids
 from rl.env_check import run_env_check
 
-CASES = [("llama", "fp32"), ("qwen3", "fp32"), ("llama", "bf16"), ("qwen3", "bf16")]
+CASES = [("llama", "fp32"), ("qwen3", "fp32"), ("llama", "bf16"), ("qwen3", "bf16"),
+         ("kimi-mini", "fp32"), ("kimi-mini", "bf16")]
 TURNS = 3
 
 
@@ -52,7 +54,10 @@ def checked(model_factory):
 def test_every_token_of_every_turn_is_bitwise(checked, arch, dtype):
     from transformers import AutoTokenizer
 
+    from parity.hf_config import register_hf_config
+
     args, result = checked(arch, dtype)
+    register_hf_config()
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     assert len(result.engine_outputs) == TURNS
     for t, train in zip(result.trajectories, result.train_logprobs, strict=True):
