@@ -21,10 +21,8 @@ What stops what (each is a separate layer; `run_python` reports a stopped progra
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
-import resource
 import selectors
 import signal
 import subprocess
@@ -32,9 +30,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
 
 
 @dataclass
@@ -53,9 +48,28 @@ class SandboxResult:
     error: str | None = None  # why it failed or was stopped
 
 
-# The guard, run in the sandboxed interpreter before the code; the code is passed as a file.
+# Run by the sandboxed interpreter (python -I -c _GUARD network cpu_s memory file_bytes): its
+# own limits and network namespace first (in the child itself, so the driver, which may have
+# threads, never runs code between fork and exec), then the guard, then the code in main.py.
 _GUARD = r'''
 import os, sys
+
+def _isolate(network, cpu, memory, file_bytes):
+    import ctypes, resource
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    flags = {"netns": 0x40000000, "userns": 0x10000000 | 0x40000000}.get(network)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if flags is not None and libc.unshare(flags) != 0:
+        sys.exit(f"sandbox: unshare failed (errno {ctypes.get_errno()})")
+    for name in ("ctypes", "_ctypes"):  # imported for unshare only: the code must import it anew
+        sys.modules.pop(name, None)
+
+_isolate(sys.argv[1], *map(int, sys.argv[2:5]))
+del _isolate
 
 def _make_hook(root, realpath, fsdecode, sep):
     # Everything the hook reads is in this closure: the code cannot reach it to change it.
@@ -67,7 +81,8 @@ def _make_hook(root, realpath, fsdecode, sep):
                         "os.fork", "os.forkpty", "pty.spawn", "os.kill", "os.killpg", "ctypes.dlopen",
                         "ctypes.cdata", "socket.__new__", "socket.connect", "socket.bind",
                         "socket.getaddrinfo", "gc.get_objects", "gc.get_referrers",
-                        "gc.get_referents", "sys._current_frames", "code.__new__", "function.__new__"})
+                        "gc.get_referents", "sys._current_frames", "code.__new__", "function.__new__",
+                        "resource.setrlimit", "resource.prlimit"})
     modules = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "_socket"})
 
     def inside(path):
@@ -99,24 +114,9 @@ exec(compile(_code, "main.py", "exec"), {"__name__": "__main__"})
 '''
 
 
-def _unshare(flags: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(flags) != 0:
-        raise OSError(ctypes.get_errno(), "unshare failed")
-
-
-def _child_setup(limits: Limits, network: str) -> None:
-    """Runs in the forked child before exec: limits, then the network namespace."""
-    cpu, memory = limits.cpu_s, limits.memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if network == "netns":
-        _unshare(CLONE_NEWNET)
-    elif network == "userns":
-        _unshare(CLONE_NEWUSER | CLONE_NEWNET)
+def _command(limits: Limits, network: str) -> list[str]:
+    return [sys.executable, "-I", "-c", _GUARD, network, str(limits.cpu_s), str(limits.memory_mb << 20),
+            str(limits.file_bytes)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -124,13 +124,13 @@ def network_isolation() -> str:
     """How this machine cuts the sandbox off the network: "netns" (a network namespace),
     "userns" (a user + network namespace, without root) or "guard" (the audit hook only),
     found by trying them in that order once."""
-    for mode in ("netns", "userns"):
-        try:
-            subprocess.run([sys.executable, "-I", "-c", "pass"], check=True, timeout=30,
-                           preexec_fn=functools.partial(_child_setup, Limits(), mode))
-            return mode
-        except (subprocess.SubprocessError, OSError):
-            continue
+    with tempfile.TemporaryDirectory(prefix="kimi-rl-sandbox-") as workdir:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+            f.write("pass\n")
+        for mode in ("netns", "userns"):
+            done = subprocess.run(_command(Limits(), mode), cwd=workdir, capture_output=True, timeout=30)
+            if done.returncode == 0:
+                return mode
     return "guard"
 
 
@@ -173,10 +173,9 @@ def run_python(code: str, limits: Limits | None = None) -> SandboxResult:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _GUARD], cwd=workdir, stdin=subprocess.DEVNULL,
+            _command(limits, network), cwd=workdir, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
             env={"PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8"},
-            preexec_fn=functools.partial(_child_setup, limits, network),
         )
         try:
             output, stopped = _read_limited(proc, limits)

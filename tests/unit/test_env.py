@@ -155,3 +155,23 @@ def test_probe_env_answers_every_turn(tokenizer):
     n = len(traj.turns[0][0])
     assert tokenizer.decode(traj.turns[0][1]) == f"<|im_end|>\n<|im_start|>tool\n{n ** 3}<|im_end|>\n<|im_start|>assistant\n"
     assert traj.reward == 0.0 and env.tool_calls == 3
+
+
+def test_the_docs_example_environment_runs(tokenizer, tmp_path, monkeypatch):
+    """docs/agentic.md's `# myenv.py` example, as a user copies it."""
+    import re
+    import sys
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "agentic.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", docs, flags=re.S) if "# myenv.py" in b)
+    (tmp_path / "myenv.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cls = resolve_env("myenv:Echo")
+    env = cls(tokenizer=tokenizer, reward_fn=lambda text, s: 2.0)
+    generate, _ = _replay(tokenizer, ["hello", "done"])
+    budget = Budget(max_turns=3, max_tokens=16, max_trajectory_tokens=BIG, max_model_len=4096)
+    (traj,) = run_trajectories([env], [Sample("hi", None)], budget, generate)
+    assert traj.reward == 2.0 and len(traj.turns) == 2 and env.tool_calls == 1
+    assert "you said 5 characters" in tokenizer.decode(traj.turns[0][1])
+    sys.modules.pop("myenv", None)

@@ -96,3 +96,9 @@ def test_a_socket_is_refused():
 
 def test_network_isolation_is_known():
     assert network_isolation() in ("netns", "userns", "guard")
+
+
+def test_the_limits_cannot_be_raised_from_inside():
+    code = "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (1000, 1000))\nwhile True:\n    pass\n"
+    result = run_python(code, LIMITS)
+    assert not result.ok and "PermissionError: sandbox: resource.setrlimit is not allowed" in result.error
