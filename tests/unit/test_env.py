@@ -175,3 +175,22 @@ def test_the_docs_example_environment_runs(tokenizer, tmp_path, monkeypatch):
     assert traj.reward == 2.0 and len(traj.turns) == 2 and env.tool_calls == 1
     assert "you said 5 characters" in tokenizer.decode(traj.turns[0][1])
     sys.modules.pop("myenv", None)
+
+
+def test_loop_rewards_and_parity_views_of_trajectories():
+    from rl.loop import env_rewards, model_tokens
+
+    mask = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0])
+    c = {"prompt_ids": [1, 2], "token_ids": [10, 11, 20, 21, 12], "mask": mask,
+         "rollout_logprobs": torch.tensor([-0.5, -0.25, 0.0, 0.0, -1.0]), "reward": 1.0, "env_error": None}
+    samples = [Sample("p0", "1"), Sample("p1", "1"), Sample("p2", "1"), Sample("p3", "1")]
+    rewards, issues = env_rewards([c, {**c, "env_error": "RuntimeError: boom"}, {**c, "reward": float("nan")},
+                                   {**c, "reward": "1"}], samples)
+    assert rewards == [1.0, 0.0, 0.0, 0.0]
+    assert [(i.index, i.non_finite) for i in issues] == [(1, False), (2, True), (3, False)]
+    assert issues[0].error == "env: RuntimeError: boom" and issues[0].prompt == "p1"
+    trainer = torch.tensor([-0.5, -0.25, -7.0, -8.0, -1.0])  # observation tokens: whatever the trainer says
+    (view,), (kept,) = model_tokens([c], [trainer])
+    assert view["token_ids"] == [10, 11, 12] and torch.equal(view["rollout_logprobs"], kept)
+    plain = {"prompt_ids": [1], "token_ids": [5], "rollout_logprobs": torch.tensor([-1.0])}
+    assert model_tokens([plain], [trainer[:1]]) == ([plain], [trainer[:1]])
