@@ -177,8 +177,14 @@ def run_python(code: str, limits: Limits | None = None) -> SandboxResult:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
             env={"PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "utf-8"},
         )
+        started = time.monotonic()
         try:
             output, stopped = _read_limited(proc, limits)
+            if stopped is None:  # its output ended: give it the rest of its time to exit
+                try:
+                    proc.wait(timeout=max(limits.timeout_s - (time.monotonic() - started), 0.1))
+                except subprocess.TimeoutExpired:
+                    stopped = f"timed out after {limits.timeout_s:g} s"
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # its whole session: nothing outlives it

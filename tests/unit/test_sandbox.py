@@ -102,3 +102,14 @@ def test_the_limits_cannot_be_raised_from_inside():
     code = "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (1000, 1000))\nwhile True:\n    pass\n"
     result = run_python(code, LIMITS)
     assert not result.ok and "PermissionError: sandbox: resource.setrlimit is not allowed" in result.error
+
+
+def test_closing_its_output_does_not_escape_the_clock():
+    result = run_python("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)\n", Limits(timeout_s=1.0))
+    assert not result.ok and result.error == "timed out after 1 s"
+
+
+def test_many_quick_programs_all_succeed():
+    # A program that exits right after its output is not mistaken for a killed one.
+    results = [run_python(f"print({i})", LIMITS) for i in range(20)]
+    assert [(r.ok, r.output, r.error) for r in results] == [(True, f"{i}\n", None) for i in range(20)]
