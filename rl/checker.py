@@ -223,7 +223,10 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
 
 def _check_env_flags(ns: argparse.Namespace, env: str) -> None:
     from rl.config import ConfigError, resolve_env
+    from rl.env import BUILTIN_ENVS
 
+    if env not in BUILTIN_ENVS and ":" not in env:
+        raise UserError(f"--env: expected one of {', '.join(BUILTIN_ENVS)} or module:attr, got {env!r}")
     try:
         resolve_env(env)
     except ConfigError as e:

@@ -183,3 +183,20 @@ def test_multi_turn_run_resumes_bit_for_bit(model_factory, tmp_path):
     adapter = "checkpoints/step_000003/adapter/adapter_model.safetensors"
     a, b = load_file(str(tmp_path / "straight" / adapter)), load_file(str(tmp_path / "split" / adapter))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--env", "nosuch"], "--env: expected one of tools, probe or module:attr, got 'nosuch'"),
+    (["--env", "no_such_module_xyz:Env"], "--env: cannot import 'no_such_module_xyz'"),
+    (["--env", "probe", "--max-turns", "0"], "--max-turns must be >= 1, got 0"),
+    (["--env", "probe", "--prompts", "{ids}"], "--env needs text prompts"),
+])
+def test_env_flag_errors_are_one_line(model_factory, tmp_path, capsys, flags, message):
+    from rl.cli import main
+
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"prompt_ids": [5, 6, 7]}\n')
+    flags = [f.replace("{ids}", str(ids)) for f in flags]
+    code = main(["parity", "check", "--model", model_factory("llama"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
