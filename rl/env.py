@@ -28,7 +28,14 @@ from typing import Any
 import torch
 
 from rl.data import Sample
-from rl.tools import ToolCall, get_tools, parse_tool_calls, run_tool_call, tool_prompt
+from rl.tools import (
+    ToolCall,
+    example_messages,
+    get_tools,
+    parse_tool_calls,
+    run_tool_call,
+    tool_prompt,
+)
 
 ENV_MARKER = "\x00kimi-rl-model-turn\x00"  # stands for the model's turn in a rendered template
 
@@ -93,31 +100,39 @@ class ToolEnv(Env):
     call is the final answer, scored by the run's reward function (reward 0 before it).
 
     kwargs: tools (names, default ["calculator"]); system_prompt (default true: a system
-    message lists the tools and the call format)."""
+    message lists the tools and the call format); example (default false: a worked exchange
+    with the first tool before the question, rl.tools.example_messages)."""
 
     def __init__(self, tokenizer: Any, reward_fn: Callable[[str, Sample], Any] | None = None,
-                 tools: list[str] | tuple[str, ...] = ("calculator",), system_prompt: bool = True) -> None:
+                 tools: list[str] | tuple[str, ...] = ("calculator",), system_prompt: bool = True,
+                 example: bool = False) -> None:
         super().__init__(tokenizer, reward_fn)
         self.tools = get_tools(list(tools))
         self.system_prompt = system_prompt
+        self.example = example
         self.sample: Sample | None = None
 
     @staticmethod
     def check_kwargs(kwargs: dict[str, Any]) -> None:
         """ValueError naming a bad kwarg (the config check calls this before any work)."""
-        unknown = sorted(set(kwargs) - {"tools", "system_prompt"})
+        unknown = sorted(set(kwargs) - {"tools", "system_prompt", "example"})
         if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r} for env tools (tools, system_prompt)")
+            raise ValueError(f"unknown key {unknown[0]!r} for env tools (tools, system_prompt, example)")
         tools = kwargs.get("tools", ["calculator"])
         if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
             raise ValueError(f"tools must be a list of tool names, got {tools!r}")
         get_tools(tools)
-        if not isinstance(kwargs.get("system_prompt", True), bool):
-            raise ValueError(f"system_prompt must be true or false, got {kwargs['system_prompt']!r}")
+        for key in ("system_prompt", "example"):
+            if not isinstance(kwargs.get(key, True), bool):
+                raise ValueError(f"{key} must be true or false, got {kwargs[key]!r}")
+        if kwargs.get("example") and not tools:
+            raise ValueError("example needs at least one tool")
 
     def reset(self, sample: Sample) -> list[int]:
         self.sample = sample
         messages = [{"role": "system", "content": tool_prompt(self.tools)}] if self.system_prompt else []
+        if self.example and self.tools:
+            messages += example_messages(next(iter(self.tools.values())))
         return chat_prompt_ids(self.tokenizer, messages + [{"role": "user", "content": sample.prompt}])
 
     def step(self, generated_ids: list[int]) -> tuple[list[int], float, bool]:

@@ -193,13 +193,19 @@ class Tool:
     description: str
     parameters: dict[str, str]  # argument name -> its description (all required, strings)
     run: Callable[[dict[str, Any]], str]
+    example: tuple[dict[str, Any], str]  # (arguments, output) of a call, for a worked example
+
+
+EXAMPLE_QUESTION, EXAMPLE_ANSWER = "What is 1234 * 5678?", "1234 * 5678 = 7006652"
 
 
 BUILTIN_TOOLS: dict[str, Tool] = {
     "calculator": Tool("calculator", "exact arithmetic: numbers and + - * / // % ** ( )",
-                       {"expression": "e.g. (12 + 3) * 45"}, _calculator_tool),
+                       {"expression": "e.g. (12 + 3) * 45"}, _calculator_tool,
+                       ({"expression": "1234 * 5678"}, "7006652")),
     "python": Tool("python", "runs Python code in a sandbox (no network); returns what it prints",
-                   {"code": "a Python program; print the result"}, _python_tool),
+                   {"code": "a Python program; print the result"}, _python_tool,
+                   ({"code": "print(1234 * 5678)"}, "7006652\n")),
 }
 
 
@@ -228,6 +234,16 @@ def run_tool_call(call: ToolCall | ToolCallError, tools: dict[str, Tool]) -> tup
         return tool.run(call.arguments), True
     except Exception as e:  # a tool's failure is the model's observation, not the run's crash
         return f"error: {e}", False
+
+
+def example_messages(tool: Tool) -> list[dict[str, str]]:
+    """A worked exchange (question, the call, the tool's answer, the final answer) that shows a
+    small model the format: SmolLM2-135M-Instruct calls no tool from the system message alone,
+    and calls the calculator correctly after this example (docs/agentic.md)."""
+    arguments, output = tool.example
+    call = f"{OPEN}{json.dumps({'name': tool.name, 'arguments': arguments})}{CLOSE}"
+    return [{"role": "user", "content": EXAMPLE_QUESTION}, {"role": "assistant", "content": call},
+            {"role": "tool", "content": output}, {"role": "assistant", "content": EXAMPLE_ANSWER}]
 
 
 def tool_prompt(tools: dict[str, Tool]) -> str:

@@ -144,6 +144,9 @@ def test_resolve_env():
         ToolEnv.check_kwargs({"tools": ["calc"]})
     with pytest.raises(ValueError, match="unknown key 'tool'"):
         ToolEnv.check_kwargs({"tool": ["calculator"]})
+    with pytest.raises(ValueError, match="example must be true or false"):
+        ToolEnv.check_kwargs({"example": "yes"})
+    ToolEnv.check_kwargs({"tools": ["python"], "system_prompt": False, "example": True})
 
 
 def test_probe_env_answers_every_turn(tokenizer):
@@ -194,3 +197,22 @@ def test_loop_rewards_and_parity_views_of_trajectories():
     assert view["token_ids"] == [10, 11, 12] and torch.equal(view["rollout_logprobs"], kept)
     plain = {"prompt_ids": [1], "token_ids": [5], "rollout_logprobs": torch.tensor([-1.0])}
     assert model_tokens([plain], [trainer[:1]]) == ([plain], [trainer[:1]])
+
+
+@pytest.mark.parametrize("tool,call", [
+    ("calculator", '{"name": "calculator", "arguments": {"expression": "1234 * 5678"}}'),
+    ("python", '{"name": "python", "arguments": {"code": "print(1234 * 5678)"}}'),
+])
+def test_the_worked_example_is_a_real_call_and_its_real_output(tokenizer, tool, call):
+    from rl.tools import get_tools, parse_tool_calls, run_tool_call
+
+    env = ToolEnv(tokenizer, reward_fn=None, tools=[tool], system_prompt=False, example=True)
+    text = tokenizer.decode(env.reset(Sample("What is 2 + 2?", "4")))
+    assert text == ("<|im_start|>user\nWhat is 1234 * 5678?<|im_end|>\n"
+                    f"<|im_start|>assistant\n<tool_call>{call}</tool_call><|im_end|>\n"
+                    f"<|im_start|>tool\n{get_tools([tool])[tool].example[1]}<|im_end|>\n"
+                    "<|im_start|>assistant\n1234 * 5678 = 7006652<|im_end|>\n"
+                    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    # The example shows what the tool really answers to that call.
+    (parsed,) = parse_tool_calls(f"<tool_call>{call}</tool_call>")
+    assert run_tool_call(parsed, get_tools([tool])) == (get_tools([tool])[tool].example[1], True)
