@@ -66,6 +66,7 @@ class CheckArgs:
     zero_stage: int = 2  # deepspeed's ZeRO stage
     env: str | None = None  # multi-turn trajectories of this environment (rl.env_check)
     max_turns: int = 3
+    env_kwargs: dict = dataclasses.field(default_factory=dict)  # passed to the environment class
 
 
 def load_adapter(path: Path) -> Adapter:
@@ -133,6 +134,7 @@ def add_parity_commands(subparsers) -> None:
     check.add_argument("--env", help="multi-turn trajectories of an environment (probe, tools or "
                        "module:attr; rl.env): every model token of every turn is compared")
     check.add_argument("--max-turns", type=int, default=3, help="model turns per trajectory with --env")
+    check.add_argument("--env-kwargs", default="{}", help='JSON object for the environment class, e.g. \'{"example": true}\'')
     check.set_defaults(func=run_check_command)
 
 
@@ -205,8 +207,7 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         raise UserError("--trainer deepspeed re-scores with the HF parity model: it needs "
                         "--parity on and --trainer-tp 1")
     env = getattr(ns, "env", None)
-    if env is not None:
-        _check_env_flags(ns, env)
+    env_kwargs = _check_env_flags(ns, env) if env is not None else {}
     report = Path(ns.report) if ns.report else None
     if report is not None and report.exists() and not report.is_dir():
         raise UserError(f"--report: {report} exists and is not a directory")
@@ -217,11 +218,12 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens, rollout_tp=rollout_tp, trainer_tp=trainer_tp,
         adapter=adapter, sampling=_sampling(ns), cuda_graphs=getattr(ns, "cuda_graphs", "off") == "on",
         trainer=trainer, zero_stage=getattr(ns, "zero_stage", 2),
-        env=env, max_turns=getattr(ns, "max_turns", 3),
+        env=env, max_turns=getattr(ns, "max_turns", 3), env_kwargs=env_kwargs,
     )
 
 
-def _check_env_flags(ns: argparse.Namespace, env: str) -> None:
+def _check_env_flags(ns: argparse.Namespace, env: str) -> dict:
+    """--env, --max-turns, --env-kwargs checked; returns the environment's kwargs."""
     from rl.config import ConfigError, resolve_env
     from rl.env import BUILTIN_ENVS
 
@@ -235,6 +237,18 @@ def _check_env_flags(ns: argparse.Namespace, env: str) -> None:
         raise UserError(f"--max-turns must be >= 1, got {ns.max_turns}")
     if getattr(ns, "adapter", None):
         raise UserError("--env runs without --adapter for now")
+    try:
+        kwargs = json.loads(getattr(ns, "env_kwargs", "{}"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"--env-kwargs: invalid JSON ({e.msg})") from None
+    if not isinstance(kwargs, dict):
+        raise UserError(f"--env-kwargs: expected a JSON object, got {kwargs!r}")
+    if env in BUILTIN_ENVS:
+        try:
+            BUILTIN_ENVS[env].check_kwargs(kwargs)
+        except ValueError as e:
+            raise UserError(f"--env-kwargs: {e}") from None
+    return kwargs
 
 
 def _tp_sizes(ns: argparse.Namespace, model: Path) -> tuple[int, int]:
@@ -510,6 +524,7 @@ def run_check_command(ns: argparse.Namespace) -> int:
         result = run_env_check(args, resolve_env(args.env), env_samples(args), rescore)
         console.print(f"env {args.env}: {result.report['trajectories']} trajectories, "
                       f"{result.report['turns_mean']:.2f} turns each, "
+                      f"{result.report['tool_calls']} tool calls ({result.report['tool_errors']} errors), "
                       f"{result.report['observation_tokens']} observation tokens (masked, not compared)")
     else:
         result = run_check(args)

@@ -27,8 +27,9 @@ class EnvCheckResult:
     diffs: list[torch.Tensor]  # |rollout - trainer| over each trajectory's model tokens
 
 
-def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, list[list]]:
-    """(trajectories, the engine's raw completions per turn), from one vLLM engine."""
+def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, list[list], list]:
+    """(trajectories, the engine's raw completions per turn, the environments), from one vLLM
+    engine."""
     from transformers import AutoTokenizer
 
     from parity.hf_config import register_hf_config
@@ -38,7 +39,8 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
 
     register_hf_config()  # kimi-mini's config.json names a model type transformers lacks
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
-    envs = [env_cls(tokenizer=tokenizer, reward_fn=lambda text, sample: 0.0) for _ in samples]
+    envs = [env_cls(tokenizer=tokenizer, reward_fn=lambda text, sample: 0.0, **args.env_kwargs)
+            for _ in samples]
     context = load_spec(args.model).max_position_embeddings
     budget = Budget(args.max_turns, args.max_tokens, context, context)
     outputs: list[list] = []
@@ -53,13 +55,15 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
             return [{"token_ids": c.token_ids, "rollout_logprobs": c.rollout_logprobs} for c in done]
 
         trajectories = run_trajectories(envs, samples, budget, generate)
-    return trajectories, outputs
+    return trajectories, outputs, envs
 
 
 def run_env_check(args: Any, env_cls: Any, samples: list, rescore: Callable[..., list[torch.Tensor]]) -> EnvCheckResult:
     """Sample trajectories, close vLLM, score them with `rescore(args, sequences, starts)` (the
     trainer backend; rl.checker.rescore), compare the model's tokens."""
-    trajectories, outputs = sample_trajectories(args, env_cls, samples)
+    from rl.env import env_metrics
+
+    trajectories, outputs, envs = sample_trajectories(args, env_cls, samples)
     train = rescore(args, [t.ids() for t in trajectories], [len(t.prompt_ids) for t in trajectories])
     rollout, trainer = [], []
     for t, lp in zip(trajectories, train, strict=True):
@@ -75,6 +79,8 @@ def run_env_check(args: Any, env_cls: Any, samples: list, rescore: Callable[...,
         "trajectories": len(trajectories),
         "turns_mean": sum(len(t.turns) for t in trajectories) / len(trajectories),
         "observation_tokens": int(sum((m == 0).sum() for m in masks)),
+        "tool_calls": int(env_metrics(envs, trajectories)["env/tool_calls"]),
+        "tool_errors": int(env_metrics(envs, trajectories)["env/tool_errors"]),
         **stats.to_dict(), "passed": stats.all_equal,
         "per_batch_size": {str(len(trajectories)): stats.to_dict()},
     }

@@ -190,6 +190,8 @@ def test_multi_turn_run_resumes_bit_for_bit(model_factory, tmp_path):
     (["--env", "no_such_module_xyz:Env"], "--env: cannot import 'no_such_module_xyz'"),
     (["--env", "probe", "--max-turns", "0"], "--max-turns must be >= 1, got 0"),
     (["--env", "probe", "--prompts", "{ids}"], "--env needs text prompts"),
+    (["--env", "tools", "--env-kwargs", "[1]"], "--env-kwargs: expected a JSON object, got [1]"),
+    (["--env", "tools", "--env-kwargs", '{"tools": ["calc"]}'], "--env-kwargs: unknown tool 'calc'"),
 ])
 def test_env_flag_errors_are_one_line(model_factory, tmp_path, capsys, flags, message):
     from rl.cli import main

@@ -60,6 +60,9 @@ SHRINK: dict[str, str] = {
     "run_dir=runs/agentic-probe": " total_steps=2",
     ".venv/bin/kimi-rl parity check --model models/tiny-llama --env probe --max-turns 3 --num-prompts 4 "
     "--max-tokens 8": " --num-prompts 2 --max-tokens 4",
+    ".venv/bin/kimi-rl parity check --model models/smollm2 --dtype bf16 --env tools --env-kwargs "
+    "'{\"example\": true}' --max-turns 3 --num-prompts 8 --max-tokens 48 --temperature 0.7":
+    " --num-prompts 2 --max-turns 2 --max-tokens 16",
     ".venv/bin/kimi-rl train configs/quickstart.yaml trainer.backend=deepspeed trainer.deepspeed.ranks=2 "
     "run_dir=runs/deepspeed": " total_steps=2 data.prompts_per_step=2",
     ".venv/bin/kimi-rl parity check --model models/tiny-llama --trainer deepspeed --zero-stage 3": SMALL_CHECK,
