@@ -222,35 +222,6 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
     )
 
 
-def _check_env_flags(ns: argparse.Namespace, env: str) -> dict:
-    """--env, --max-turns, --env-kwargs checked; returns the environment's kwargs."""
-    from rl.config import ConfigError, resolve_env
-    from rl.env import BUILTIN_ENVS
-
-    if env not in BUILTIN_ENVS and ":" not in env:
-        raise UserError(f"--env: expected one of {', '.join(BUILTIN_ENVS)} or module:attr, got {env!r}")
-    try:
-        resolve_env(env)
-    except ConfigError as e:
-        raise UserError(f"--env: {str(e).removeprefix('env.name: ')}") from None
-    if getattr(ns, "max_turns", 3) < 1:
-        raise UserError(f"--max-turns must be >= 1, got {ns.max_turns}")
-    if getattr(ns, "adapter", None):
-        raise UserError("--env runs without --adapter for now")
-    try:
-        kwargs = json.loads(getattr(ns, "env_kwargs", "{}"))
-    except json.JSONDecodeError as e:
-        raise UserError(f"--env-kwargs: invalid JSON ({e.msg})") from None
-    if not isinstance(kwargs, dict):
-        raise UserError(f"--env-kwargs: expected a JSON object, got {kwargs!r}")
-    if env in BUILTIN_ENVS:
-        try:
-            BUILTIN_ENVS[env].check_kwargs(kwargs)
-        except ValueError as e:
-            raise UserError(f"--env-kwargs: {e}") from None
-    return kwargs
-
-
 def _tp_sizes(ns: argparse.Namespace, model: Path) -> tuple[int, int]:
     """(rollout TP, trainer TP): --rollout-tp / --trainer-tp, else --tensor-parallel-size;
     each one checked to split the model."""
@@ -332,6 +303,35 @@ def env_samples(args: CheckArgs) -> list:
         raise UserError("--env needs text prompts ({\"prompt\": str} rows): an environment builds "
                         "the prompt ids itself")
     return [Sample(rows[i % len(rows)]["prompt"]) for i in range(args.num_prompts)]
+
+
+def _check_env_flags(ns: argparse.Namespace, env: str) -> dict:
+    """--env, --max-turns, --env-kwargs checked; returns the environment's kwargs."""
+    from rl.config import ConfigError, resolve_env
+    from rl.env import BUILTIN_ENVS
+
+    if env not in BUILTIN_ENVS and ":" not in env:
+        raise UserError(f"--env: expected one of {', '.join(BUILTIN_ENVS)} or module:attr, got {env!r}")
+    try:
+        resolve_env(env)
+    except ConfigError as e:
+        raise UserError(f"--env: {str(e).removeprefix('env.name: ')}") from None
+    if getattr(ns, "max_turns", 3) < 1:
+        raise UserError(f"--max-turns must be >= 1, got {ns.max_turns}")
+    if getattr(ns, "adapter", None):
+        raise UserError("--env runs without --adapter for now")
+    try:
+        kwargs = json.loads(getattr(ns, "env_kwargs", "{}"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"--env-kwargs: invalid JSON ({e.msg})") from None
+    if not isinstance(kwargs, dict):
+        raise UserError(f"--env-kwargs: expected a JSON object, got {kwargs!r}")
+    if env in BUILTIN_ENVS:
+        try:
+            BUILTIN_ENVS[env].check_kwargs(kwargs)
+        except ValueError as e:
+            raise UserError(f"--env-kwargs: {e}") from None
+    return kwargs
 
 
 def batches_for(num_prompts: int, batch_size: int) -> list[list[int]]:
