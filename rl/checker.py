@@ -64,6 +64,9 @@ class CheckArgs:
     cuda_graphs: bool = False  # vLLM's default mode (torch.compile + CUDA graphs) instead of eager
     trainer: str = "megatron"  # the trainer backend that re-scores: megatron | deepspeed
     zero_stage: int = 2  # deepspeed's ZeRO stage
+    env: str | None = None  # multi-turn trajectories of this environment (rl.env_check)
+    max_turns: int = 3
+    env_kwargs: dict = dataclasses.field(default_factory=dict)  # passed to the environment class
 
 
 def load_adapter(path: Path) -> Adapter:
@@ -128,6 +131,10 @@ def add_parity_commands(subparsers) -> None:
                        help="trainer backend that re-scores: Megatron, or the HF model under DeepSpeed")
     check.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=2,
                        help="ZeRO stage of --trainer deepspeed, default 2")
+    check.add_argument("--env", help="multi-turn trajectories of an environment (probe, tools or "
+                       "module:attr; rl.env): every model token of every turn is compared")
+    check.add_argument("--max-turns", type=int, default=3, help="model turns per trajectory with --env")
+    check.add_argument("--env-kwargs", default="{}", help='JSON object for the environment class, e.g. \'{"example": true}\'')
     check.set_defaults(func=run_check_command)
 
 
@@ -202,6 +209,8 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
     if trainer == "deepspeed" and (ns.parity != "on" or trainer_tp > 1):
         raise UserError("--trainer deepspeed re-scores with the HF parity model: it needs "
                         "--parity on and --trainer-tp 1")
+    env = getattr(ns, "env", None)
+    env_kwargs = _check_env_flags(ns, env) if env is not None else {}
     report = Path(ns.report) if ns.report else None
     if report is not None and report.exists() and not report.is_dir():
         raise UserError(f"--report: {report} exists and is not a directory")
@@ -212,6 +221,7 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens, rollout_tp=rollout_tp, trainer_tp=trainer_tp,
         adapter=adapter, sampling=_sampling(ns), cuda_graphs=getattr(ns, "cuda_graphs", "off") == "on",
         trainer=trainer, zero_stage=getattr(ns, "zero_stage", 2),
+        env=env, max_turns=getattr(ns, "max_turns", 3), env_kwargs=env_kwargs,
     )
 
 
@@ -291,6 +301,46 @@ def prompt_token_ids(args: CheckArgs) -> list[list[int]]:
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(args.model))
         prompts.append(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] or [0])
     return prompts
+
+
+def env_samples(args: CheckArgs) -> list:
+    """The --env check's samples: text prompts (an environment builds its own prompt ids)."""
+    from rl.data import Sample
+
+    rows = load_prompt_file(args.prompts) if args.prompts else [{"prompt": p} for p in BUILTIN_PROMPTS]
+    if any("prompt" not in r for r in rows):
+        raise UserError("--env needs text prompts ({\"prompt\": str} rows): an environment builds "
+                        "the prompt ids itself")
+    return [Sample(rows[i % len(rows)]["prompt"]) for i in range(args.num_prompts)]
+
+
+def _check_env_flags(ns: argparse.Namespace, env: str) -> dict:
+    """--env, --max-turns, --env-kwargs checked; returns the environment's kwargs."""
+    from rl.config import ConfigError, resolve_env
+    from rl.env import BUILTIN_ENVS
+
+    if env not in BUILTIN_ENVS and ":" not in env:
+        raise UserError(f"--env: expected one of {', '.join(BUILTIN_ENVS)} or module:attr, got {env!r}")
+    try:
+        resolve_env(env)
+    except ConfigError as e:
+        raise UserError(f"--env: {str(e).removeprefix('env.name: ')}") from None
+    if getattr(ns, "max_turns", 3) < 1:
+        raise UserError(f"--max-turns must be >= 1, got {ns.max_turns}")
+    if getattr(ns, "adapter", None):
+        raise UserError("--env runs without --adapter for now")
+    try:
+        kwargs = json.loads(getattr(ns, "env_kwargs", "{}"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"--env-kwargs: invalid JSON ({e.msg})") from None
+    if not isinstance(kwargs, dict):
+        raise UserError(f"--env-kwargs: expected a JSON object, got {kwargs!r}")
+    if env in BUILTIN_ENVS:
+        try:
+            BUILTIN_ENVS[env].check_kwargs(kwargs)
+        except ValueError as e:
+            raise UserError(f"--env-kwargs: {e}") from None
+    return kwargs
 
 
 def batches_for(num_prompts: int, batch_size: int) -> list[list[int]]:
@@ -476,7 +526,17 @@ def run_check_command(ns: argparse.Namespace) -> int:
     # vLLM logs every engine detail at INFO; the checker's own table is the output here.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     console = Console()
-    result = run_check(args)
+    if args.env is not None:
+        from rl.config import resolve_env
+        from rl.env_check import run_env_check
+
+        result = run_env_check(args, resolve_env(args.env), env_samples(args), rescore)
+        console.print(f"env {args.env}: {result.report['trajectories']} trajectories, "
+                      f"{result.report['turns_mean']:.2f} turns each, "
+                      f"{result.report['tool_calls']} tool calls ({result.report['tool_errors']} errors), "
+                      f"{result.report['observation_tokens']} observation tokens (masked, not compared)")
+    else:
+        result = run_check(args)
     report = result.report
     print_table(report, console)
     if args.report:

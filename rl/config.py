@@ -40,9 +40,9 @@ from trainer.config import (
 )
 
 __all__ = [
-    "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig",
+    "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EnvConfig", "LoggingConfig",
     "LoraConfig", "ModelConfig", "ParityConfig", "RayConfig", "RewardConfig", "RolloutConfig", "SyncConfig",
-    "TrainerConfig", "dump_config", "load_config", "resolve_callable",
+    "TrainerConfig", "dump_config", "load_config", "resolve_callable", "resolve_env",
 ]
 
 BUILTIN_HOOKS = ("checksum", "timing", "parity_probe")
@@ -90,6 +90,15 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    # Multi-turn rollouts (rl.env): a built-in environment name (tools) or "module:attr" of an
+    # rl.env.Env subclass; None keeps one prompt, one completion. The class is called per
+    # trajectory as cls(tokenizer=..., reward_fn=..., **kwargs).
+    name: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class SyncConfig:
     # Run around each trainer -> rollout weight sync: built-in names or "module:attr".
     hooks: list[str] = field(default_factory=lambda: ["checksum", "timing"])
@@ -130,6 +139,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -350,6 +360,33 @@ def _check(cfg: Config, sources: _Sources) -> None:
     _check_model_fit(cfg, sources, model_dir)
     _check_algorithm(cfg, sources)
     _check_data_reward_hooks(cfg, sources)
+    _check_env(cfg, sources)
+
+
+def _check_env(cfg: Config, sources: _Sources) -> None:
+    """env: the environment it names (imported now) and the multi-turn budgets."""
+    err = sources.error
+    if cfg.env.name is None:
+        if cfg.rollout.max_turns > 1:
+            raise err("rollout.max_turns", f"is {cfg.rollout.max_turns}, but no env.name is set: "
+                      "multi-turn rollouts need an environment (e.g. env.name: tools)")
+        if cfg.env.kwargs:
+            raise err("env.kwargs", "set, but no env.name is set")
+        return
+    from rl.env import BUILTIN_ENVS
+
+    if cfg.env.name in BUILTIN_ENVS:
+        try:
+            BUILTIN_ENVS[cfg.env.name].check_kwargs(cfg.env.kwargs)
+        except ValueError as e:
+            raise err("env.kwargs", str(e)) from None
+    elif not _CALLABLE_SPEC.fullmatch(cfg.env.name):
+        raise err("env.name", f"expected one of {', '.join(BUILTIN_ENVS)} or module:attr, got {cfg.env.name!r}")
+    else:
+        _importable(cfg.env.name, "env.name", sources)
+    if cfg.rollout.max_trajectory_tokens < cfg.rollout.max_tokens:
+        raise err("rollout.max_trajectory_tokens", f"is {cfg.rollout.max_trajectory_tokens}, below "
+                  f"rollout.max_tokens {cfg.rollout.max_tokens} (one turn's budget)")
 
 
 def _check_tensor_parallel(cfg: Config, sources: _Sources, model_dir: Path) -> None:
@@ -512,6 +549,14 @@ def resolve_callable(spec: str, key: str = "reward.function") -> Any:
     if not callable(obj):
         raise ConfigError(f"{key}: {spec!r} is not callable")
     return obj
+
+
+def resolve_env(name: str) -> Any:
+    """The environment class of `env.name`: a built-in name (rl.env.BUILTIN_ENVS), or
+    module:attr, imported as reward functions are."""
+    from rl.env import BUILTIN_ENVS
+
+    return BUILTIN_ENVS[name] if name in BUILTIN_ENVS else resolve_callable(name, "env.name")
 
 
 def config_to_dict(cfg: Any) -> Any:

@@ -7,8 +7,11 @@
     sync           the trainer's adapter (or full weights) to every worker, through the hooks
     for each step:
       rollout      prompts x samples_per_prompt, split over the workers, sampled with the
-                   rollout's temperature / top-p / top-k (both sides score that distribution)
+                   rollout's temperature / top-p / top-k (both sides score that distribution);
+                   with an `env:`, turn by turn (rl.env): each turn's unfinished trajectories
+                   in one generate call, tool observations appended as token ids
       reward       completions scored; a reward function that raises is reported, scores 0
+                   (an environment's trajectories carry their reward; one that raised likewise)
       train        the trainer re-scores the sampled tokens (old-policy log-probs); they are
                    compared with the rollout log-probs bit for bit (parity/*) BEFORE the update:
                    a mismatch stops the run (parity.on_mismatch fail; the sequences go to
@@ -50,6 +53,7 @@ class Preflight:
     samples: list
     reward_fn: Any
     data_issues: list
+    env_cls: Any = None  # the environment class of env.name (rl.env), or None: single-turn
 
 
 def preflight(cfg: Config) -> Preflight:
@@ -75,12 +79,28 @@ def preflight(cfg: Config) -> Preflight:
         size=cfg.data.size, seed=cfg.seed,
     )
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    return Preflight(tokenizer, samples, reward_fn, issues)
+    return Preflight(tokenizer, samples, reward_fn, issues, _env_class(cfg, tokenizer, reward_fn))
 
 
-def rollout_seed(seed: int, step: int, worker: int) -> int:
-    """The sampling seed of one worker at one step: a pure function, so resume is exact."""
-    return (seed * 1_000_003 + step * 10_007 + worker) % (2**31 - 1)
+def _env_class(cfg: Config, tokenizer: Any, reward_fn: Any) -> Any:
+    """The class of env.name, with one instance made now: a constructor that fails on these
+    kwargs fails before Ray starts."""
+    from rl.config import resolve_env
+
+    if cfg.env.name is None:
+        return None
+    cls = resolve_env(cfg.env.name)
+    try:
+        cls(tokenizer=tokenizer, reward_fn=reward_fn, **cfg.env.kwargs)
+    except Exception as e:  # user code may raise anything
+        raise UserError(f"env.name: {cfg.env.name}(**env.kwargs) failed: {type(e).__name__}: {e}") from None
+    return cls
+
+
+def rollout_seed(seed: int, step: int, worker: int, turn: int = 0) -> int:
+    """The sampling seed of one worker at one step (and turn, for multi-turn rollouts): a pure
+    function, so resume is exact."""
+    return (seed * 1_000_003 + step * 10_007 + worker + turn * 7_919) % (2**31 - 1)
 
 
 def split(items: list, parts: int) -> list[list]:
@@ -140,7 +160,7 @@ class Run:
             for r in range(tp)
         ]
         self.trainer = ranks[0] if tp == 1 else TrainerGroup(ranks)
-        max_len = self._max_model_len()
+        max_len = self.max_model_len = self._max_model_len()
         self._make_worker = lambda i: (
             ray.remote(RolloutWorker)
             .options(num_cpus=1, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=i),
@@ -160,13 +180,13 @@ class Run:
 
         return load_spec(self.cfg.model.path).max_position_embeddings
 
-    def generate(self, prompts: list[list[int]], step: int) -> list[dict]:
+    def generate(self, prompts: list[list[int]], step: int, turn: int = 0) -> list[dict]:
         import ray
 
         r = self.cfg.rollout
         parts = split(prompts, len(self.workers))
         futures = [
-            w.generate.remote(p, r.max_tokens, r.sampling(), rollout_seed(self.cfg.seed, step, i))
+            w.generate.remote(p, r.max_tokens, r.sampling(), rollout_seed(self.cfg.seed, step, i, turn))
             for i, (w, p) in enumerate(zip(self.workers, parts, strict=True)) if p
         ]
         return [c for part in ray.get(futures) for c in part]
@@ -568,10 +588,11 @@ def train_step(loop: Loop, step: int) -> dict[str, Any]:
     import ray
 
     t0 = time.perf_counter()
-    group_samples, completions = rollout_step(loop, step)
+    group_samples, completions, env_record = rollout_step(loop, step)
     times = {"time/rollout": time.perf_counter() - t0, "time/reward": 0.0, "time/train": 0.0}
     t0 = time.perf_counter()
     rewards, issues, record = reward_step(loop, step, group_samples, completions)
+    record.update(env_record)
     times["time/reward"] = time.perf_counter() - t0
     non_finite = [i for i in issues if i.non_finite]
     if non_finite:
@@ -585,6 +606,8 @@ def train_step(loop: Loop, step: int) -> dict[str, Any]:
         "rewards": rewards,
         "group_size": loop.cfg.rollout.samples_per_prompt,
     }
+    if loop.pre.env_cls is not None:  # trajectories: train on the model's tokens only
+        batch["masks"] = [c["mask"] for c in completions]
     t0 = time.perf_counter()
     old_logprobs = ray.get(loop.run.trainer.old_logprobs.remote(batch))
     record.update(check_parity(loop, step, completions, old_logprobs))
@@ -598,16 +621,40 @@ def train_step(loop: Loop, step: int) -> dict[str, Any]:
     return {**record, **result["stats"], **{"sync/checksum_ok": 0.0, **sync_metrics}, **times}
 
 
-def rollout_step(loop: Loop, step: int) -> tuple[list, list[dict]]:
-    """(samples, completions): each prompt of the step sampled samples_per_prompt times,
-    consecutively (GRPO / RLOO groups)."""
+def rollout_step(loop: Loop, step: int) -> tuple[list, list[dict], dict[str, float]]:
+    """(samples, completions, env/* metrics): each prompt of the step sampled
+    samples_per_prompt times, consecutively (GRPO / RLOO groups); with an environment, as
+    multi-turn trajectories (env_rollout)."""
     from rl.data import format_prompt
 
     cfg = loop.cfg
     samples = loop.source.next_batch()
     group_samples = [s for s in samples for _ in range(cfg.rollout.samples_per_prompt)]
+    if loop.pre.env_cls is not None:
+        return group_samples, *env_rollout(loop, step, group_samples)
     prompts = [format_prompt(s, loop.pre.tokenizer, cfg.data.chat_template) for s in group_samples]
-    return group_samples, generate_with_restart(loop.run, prompts, step, loop.logs)
+    return group_samples, generate_with_restart(loop.run, prompts, step, loop.logs), {}
+
+
+def env_rollout(loop: Loop, step: int, group_samples: list) -> tuple[list[dict], dict[str, float]]:
+    """(completions, env/* metrics): one environment per sample, run turn by turn (rl.env);
+    each completion also holds its mask, its trajectory's reward and the environment's error."""
+    from rl.env import Budget, env_metrics, run_trajectories
+
+    cfg, r = loop.cfg, loop.cfg.rollout
+    envs = [loop.pre.env_cls(tokenizer=loop.pre.tokenizer, reward_fn=loop.pre.reward_fn, **cfg.env.kwargs)
+            for _ in group_samples]
+    budget = Budget(r.max_turns, r.max_tokens, r.max_trajectory_tokens, loop.run.max_model_len)
+
+    def generate(prompts: list[list[int]], turn: int) -> list[dict]:
+        return generate_with_restart(loop.run, prompts, step, loop.logs, turn)
+
+    try:
+        trajectories = run_trajectories(envs, group_samples, budget, generate)
+    except ValueError as e:  # an environment's reset failed: no trajectory to train on
+        raise UserError(f"step {step}: env.name {cfg.env.name}: {e}") from None
+    completions = [{**t.completion(), "reward": t.reward, "env_error": t.error} for t in trajectories]
+    return completions, env_metrics(envs, trajectories)
 
 
 def reward_step(loop: Loop, step: int, group_samples: list, completions: list[dict]) -> tuple[torch.Tensor, list, dict[str, Any]]:
@@ -615,8 +662,11 @@ def reward_step(loop: Loop, step: int, group_samples: list, completions: list[di
     function that raises is reported and scores 0."""
     from rl.rewards import score_batch
 
-    texts = [loop.pre.tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in completions]
-    rewards, issues = score_batch(loop.pre.reward_fn, texts, group_samples)
+    if loop.pre.env_cls is not None:
+        rewards, issues = env_rewards(completions, group_samples)
+    else:
+        texts = [loop.pre.tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in completions]
+        rewards, issues = score_batch(loop.pre.reward_fn, texts, group_samples)
     for issue in issues:
         loop.logs.issue(f"step {step}: reward: {issue}")
         loop.logs.console.print(f"[yellow]step {step}: reward function failed[/] {issue}")
@@ -633,11 +683,40 @@ def reward_step(loop: Loop, step: int, group_samples: list, completions: list[di
     return reward_t, issues, record
 
 
+def env_rewards(completions: list[dict], samples: list) -> tuple[list[float], list]:
+    """The trajectories' rewards, checked as reward functions' are (rl.rewards): an environment
+    that raised, or a reward that is not a finite number, scores 0 and is reported."""
+    from rl.rewards import NON_FINITE, RewardIssue, as_reward, excerpt
+
+    rewards, issues = [], []
+    for i, (c, sample) in enumerate(zip(completions, samples, strict=True)):
+        value, error = (0.0, f"env: {c['env_error']}") if c["env_error"] else as_reward(c["reward"])
+        rewards.append(value)
+        if error is not None:
+            issues.append(RewardIssue(i, excerpt(sample.prompt), error, error.startswith(NON_FINITE)))
+    return rewards, issues
+
+
+def model_tokens(completions: list[dict], logprobs: list[torch.Tensor]) -> tuple[list[dict], list[torch.Tensor]]:
+    """The completions and the trainer's log-probs cut to the model's own tokens (mask 1): a
+    trajectory's observation tokens were never sampled, so they have no rollout log-prob."""
+    if not completions or "mask" not in completions[0]:
+        return completions, logprobs
+    views, kept = [], []
+    for c, lp in zip(completions, logprobs, strict=True):
+        on = c["mask"].bool()
+        views.append({"prompt_ids": c["prompt_ids"], "rollout_logprobs": c["rollout_logprobs"][on],
+                      "token_ids": [t for t, m in zip(c["token_ids"], on.tolist(), strict=True) if m]})
+        kept.append(lp[on])
+    return views, kept
+
+
 def check_parity(loop: Loop, step: int, completions: list[dict], old_logprobs: list[torch.Tensor]) -> dict[str, float]:
     """The trainer's old-policy log-probs against the rollout's, bit for bit: a mismatch (with
     parity on) is written to mismatch/step_N.json and stops the run (on_mismatch fail) or is
     reported (warn). Returns the parity/* metrics."""
     cfg = loop.cfg
+    completions, old_logprobs = model_tokens(completions, old_logprobs)
     parity = compare_logprobs([c["rollout_logprobs"] for c in completions], old_logprobs)
     if cfg.parity.enabled and not parity.all_equal:
         path, first = write_mismatch(loop.run_dir, step, completions, old_logprobs)
@@ -665,13 +744,13 @@ def _skip(loop: Loop, step: int, record: dict, reason: str, times: dict[str, flo
     return {**record, "step/skipped": 1.0, **times}
 
 
-def generate_with_restart(run: Run, prompts: list[list[int]], step: int, logs: Logs) -> list[dict]:
+def generate_with_restart(run: Run, prompts: list[list[int]], step: int, logs: Logs, turn: int = 0) -> list[dict]:
     """A rollout worker that dies is reported, restarted once, re-synced, and the step's rollout
     re-run (its seed is a function of the step, so the retry samples the same tokens)."""
     import ray
 
     try:
-        return run.generate(prompts, step)
+        return run.generate(prompts, step, turn)
     except ray.exceptions.RayActorError as e:
         dead = _dead_workers(run)
         if not dead:
@@ -682,7 +761,7 @@ def generate_with_restart(run: Run, prompts: list[list[int]], step: int, logs: L
             run.restart_worker(i)
             run.resync_worker(i)
         try:
-            return run.generate(prompts, step)
+            return run.generate(prompts, step, turn)
         except ray.exceptions.RayActorError as e2:
             raise UserError(f"step {step}: a rollout worker died again after a restart: {e2}") from None
 

@@ -164,19 +164,19 @@ def score_batch(
         except Exception as e:  # a user function can raise anything; KeyboardInterrupt passes
             error = f"{type(e).__name__}: {e}"
         else:
-            value, error = _as_reward(value)
+            value, error = as_reward(value)
         if error is None:
             rewards.append(value)
         else:
             rewards.append(0.0)
-            issues.append(RewardIssue(i, _excerpt(sample.prompt), error, error.startswith(_NON_FINITE)))
+            issues.append(RewardIssue(i, excerpt(sample.prompt), error, error.startswith(NON_FINITE)))
     return rewards, issues
 
 
-_NON_FINITE = "returned non-finite"
+NON_FINITE = "returned non-finite"
 
 
-def _as_reward(value: Any) -> tuple[float, str | None]:
+def as_reward(value: Any) -> tuple[float, str | None]:
     """(float, None) for a finite real number, else (0.0, what was wrong).
 
     Accepted: int, float, bool (a `completion == answer` reward is natural), numpy scalars and
@@ -191,9 +191,9 @@ def _as_reward(value: Any) -> tuple[float, str | None]:
     except (TypeError, ValueError, RuntimeError) as e:  # e.g. a tensor with many elements
         return 0.0, f"returned {type(value).__name__} that is not a scalar ({e})"
     if not math.isfinite(x):
-        return 0.0, f"{_NON_FINITE} {x}"
+        return 0.0, f"{NON_FINITE} {x}"
     return x, None
 
 
-def _excerpt(text: str, n: int = 80) -> str:
+def excerpt(text: str, n: int = 80) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."

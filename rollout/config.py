@@ -12,7 +12,11 @@ from parity.settings import setting
 class RolloutConfig:
     num_workers: int = setting(1, ge=1)
     samples_per_prompt: int = setting(4, ge=1)
-    max_tokens: int = setting(32, ge=1)
+    max_tokens: int = setting(32, ge=1)  # per model turn (the whole completion when single-turn)
+    # Agentic rollouts (an `env:` is set): model turns per trajectory, and the tokens after the
+    # prompt (model turns and tool observations together) one trajectory may hold.
+    max_turns: int = setting(1, ge=1)
+    max_trajectory_tokens: int = setting(512, ge=1)
     # The distribution tokens are sampled from (vLLM's SamplingParams fields): both sides report
     # the log-probs of exactly this distribution (parity.sampling). Greedy decoding has no
     # log-prob to train on.

@@ -8,6 +8,9 @@ and the optimizer step, the weights out and the state in and out (the abstract m
 
 Sequences are token lists; `starts[i]` is the prompt length, and tokens seq[start:] (the
 response) are scored. Token-level tensors are [N, T] over response tokens, padded with a mask.
+A multi-turn trajectory's response holds tool / template tokens between the model's turns: its
+`masks[i]` (1 on the model's tokens, 0 on those) is that mask, so the loss, the advantages
+(broadcast over the model's tokens of every turn), KL and entropy cover the model's tokens only.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class Batch:
     rewards: Tensor  # [N], one per sequence
     group_size: int = 1
     group_ids: list[int] | None = None  # optional; checked to come in blocks of group_size
+    # Optional, float [len - start] each: 1 on the tokens the policy generated, 0 on tokens it
+    # did not (tool observations, template markers of a multi-turn trajectory); None: all 1.
+    masks: list[Tensor] | None = None
 
 
 @dataclass
@@ -178,7 +184,8 @@ class PolicyStep(ABC):
         old_list = self.logprobs(seqs, starts) if old_logprobs is None else old_logprobs
         self._last_old_logprobs = old_list
         width = max(t.numel() for t in old_list)
-        mask = pad([torch.ones(t.numel()) for t in old_list], width)
+        masks = batch.masks if batch.masks is not None else [torch.ones(t.numel()) for t in old_list]
+        mask = pad([m.float() for m in masks], width)
         old = pad(old_list, width)
         ref = pad(self.ref_logprobs(seqs, starts), width) if algo.kl_coef > 0 else None
         old_values = pad(self.values(seqs, starts), width) if self.value_head is not None else None
@@ -225,6 +232,8 @@ class PolicyStep(ABC):
             if lp.numel() != len(seq) - start:
                 raise ValueError(f"batch: sequence {i} has {len(seq) - start} response tokens but "
                                  f"{lp.numel()} rollout log-probs")
+        if batch.masks is not None:
+            self._check_masks(batch)
         if n < self.algorithm.minibatches:
             raise ValueError(f"batch: {n} sequences do not split into "
                              f"{self.algorithm.minibatches} minibatches")
@@ -236,6 +245,17 @@ class PolicyStep(ABC):
             one_id_each = all(len(set(b)) == 1 for b in blocks)
             if len(batch.group_ids) != n or not one_id_each or len({b[0] for b in blocks}) != len(blocks):
                 raise ValueError(f"batch: group_ids must come in consecutive blocks of {g}")
+
+    @staticmethod
+    def _check_masks(batch: Batch) -> None:
+        if len(batch.masks) != len(batch.sequences):
+            raise ValueError(f"batch: {len(batch.masks)} masks for {len(batch.sequences)} sequences")
+        for i, (m, seq, start) in enumerate(zip(batch.masks, batch.sequences, batch.starts, strict=True)):
+            if m.numel() != len(seq) - start:
+                raise ValueError(f"batch: sequence {i} has {len(seq) - start} response tokens but a "
+                                 f"mask of {m.numel()}")
+            if not bool(((m == 0) | (m == 1)).all()) or not bool(m.any()):
+                raise ValueError(f"batch: sequence {i}'s mask must hold 0s and 1s, at least one 1")
 
     def _advantages(
         self, batch: Batch, old: Tensor, ref: Tensor | None, values: Tensor | None, mask: Tensor

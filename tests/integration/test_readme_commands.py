@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The pages whose `bash` blocks are run, in reading order (the README's commands make the
 # models the pages after it use).
 DOCS = ["README.md", "docs/parity_check.md", "docs/tensor_parallel.md", "docs/kimi.md", "docs/train.md",
-        "docs/hooks.md", "docs/deepspeed.md", "docs/development.md", "docs/design.md", "docs/benchmarks.md",
+        "docs/hooks.md", "docs/agentic.md", "docs/deepspeed.md", "docs/development.md", "docs/design.md", "docs/benchmarks.md",
         "docs/fuzz.md", "docs/faults_and_security.md", "docs/gpu_summary.md", "docs/README.md"]
 TEXT = "\n".join((ROOT / page).read_text() for page in DOCS)
 VENV = Path(sys.executable).parents[1]
@@ -55,6 +55,14 @@ SHRINK: dict[str, str] = {
     ".venv/bin/kimi-rl train configs/quickstart.yaml": " total_steps=2",
     ".venv/bin/kimi-rl train configs/quickstart.yaml --print-config": "",
     ".venv/bin/kimi-rl train configs/quickstart.yaml --resume runs/quickstart total_steps=30": " total_steps=3",
+    ".venv/bin/kimi-rl train configs/agentic_calculator.yaml": " total_steps=2",
+    ".venv/bin/kimi-rl train configs/agentic_calculator.yaml env.name=probe 'env.kwargs={}' "
+    "run_dir=runs/agentic-probe": " total_steps=2",
+    ".venv/bin/kimi-rl parity check --model models/tiny-llama --env probe --max-turns 3 --num-prompts 4 "
+    "--max-tokens 8": " --num-prompts 2 --max-tokens 4",
+    ".venv/bin/kimi-rl parity check --model models/smollm2 --dtype bf16 --env tools --env-kwargs "
+    "'{\"example\": true}' --max-turns 3 --num-prompts 8 --max-tokens 48 --temperature 0.7":
+    " --num-prompts 2 --max-turns 2 --max-tokens 16",
     ".venv/bin/kimi-rl train configs/quickstart.yaml trainer.backend=deepspeed trainer.deepspeed.ranks=2 "
     "run_dir=runs/deepspeed": " total_steps=2 data.prompts_per_step=2",
     ".venv/bin/kimi-rl parity check --model models/tiny-llama --trainer deepspeed --zero-stage 3": SMALL_CHECK,
@@ -156,6 +164,15 @@ def test_readme_command(command, user_dir):
         _check_run(user_dir / "runs/quickstart-trainer-tp2", 1)
     if "run_dir=runs/deepspeed" in command:
         _check_run(user_dir / "runs/deepspeed", 2)
+    if command.endswith("train configs/agentic_calculator.yaml"):
+        _check_run(user_dir / "runs/agentic_calculator", 2)
+        assert all(r["env/turns_mean"] >= 1.0 and r["env/errors"] == 0 for r in _metrics(user_dir / "runs/agentic_calculator"))
+    if "run_dir=runs/agentic-probe" in command:
+        # Every trajectory is 3 turns; only the model's tokens are trained and compared.
+        _check_run(user_dir / "runs/agentic-probe", 2)
+        rows = _metrics(user_dir / "runs/agentic-probe")
+        assert all(r["env/turns_mean"] == 3.0 and r["train/response_tokens"] == r["parity/tokens"] for r in rows)
+        assert all(r["response/length_mean"] * 16 > r["parity/tokens"] for r in rows)  # observations too
     if "myhooks:AdapterNorm" in command:
         _check_run(user_dir / "runs/hooks", 1)
         assert _metrics(user_dir / "runs/hooks")[0]["sync/adapter_norm"] > 0

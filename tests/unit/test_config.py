@@ -324,3 +324,30 @@ def test_python_tags_never_run(write, tmp_path: Path) -> None:
 
 def test_config_error_is_a_user_error() -> None:
     assert issubclass(ConfigError, UserError)
+
+
+# --- env: and the multi-turn budgets ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "line", "phrase"), [
+    ("rollout:\n  max_turns: 3\n", 5, "rollout.max_turns: is 3, but no env.name is set"),
+    ("env:\n  name: tool\n", 5, "env.name: expected one of tools, probe or module:attr, got 'tool'"),
+    ("env:\n  name: tools\n  kwargs: {tools: [calc]}\n", 6, "env.kwargs: unknown tool 'calc'"),
+    ("env:\n  name: tools\n  kwargs: {tool: [calculator]}\n", 6, "env.kwargs: unknown key 'tool'"),
+    ("env:\n  name: no_such_module_xyz:Env\n", 5, "env.name: cannot import 'no_such_module_xyz'"),
+    ("env:\n  kwargs: {a: 1}\n", 5, "env.kwargs: set, but no env.name is set"),
+    ("env:\n  name: tools\nrollout:\n  max_tokens: 64\n  max_trajectory_tokens: 32\n", 8,
+     "rollout.max_trajectory_tokens: is 32, below rollout.max_tokens 64"),
+])
+def test_env_errors_name_the_key_and_line(write, body: str, line: int, phrase: str) -> None:
+    path = write(body)
+    message = error(path)
+    assert message.startswith(f"{path}:{line}: "), message
+    assert phrase in message, message
+
+
+def test_env_config_loads(write) -> None:
+    cfg = load_config(write("env:\n  name: tools\n  kwargs: {tools: [calculator, python]}\n"
+                            "rollout:\n  max_turns: 4\n  max_trajectory_tokens: 256\n"))
+    assert (cfg.env.name, cfg.env.kwargs, cfg.rollout.max_turns) == ("tools", {"tools": ["calculator", "python"]}, 4)
+    assert load_config(write()).env.name is None and load_config(write()).rollout.max_turns == 1
