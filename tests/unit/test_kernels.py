@@ -175,12 +175,12 @@ def test_log_softmax_row_invariant(rows, vocab, dtype, seed, pick):
     assert torch.equal(kernels.log_softmax(logits[i : i + 1])[0], kernels.log_softmax(logits)[i])
 
 
-def test_log_softmax_is_vllms_sampler_op():
-    """vLLM's sampler computes its log-probs with this very op; if vLLM changes it, this fails."""
-    from vllm.v1.sample.sampler import Sampler
+def test_log_softmax_is_the_rollout_samplers_op():
+    """The rollout's sampler computes its raw and prompt log-probs with this very op."""
+    from rollout.sampler import ParitySampler
 
     logits = _randn(0, 7, 512, dtype=torch.bfloat16)
-    assert torch.equal(Sampler.compute_logprobs(logits), kernels.log_softmax(logits))
+    assert torch.equal(ParitySampler.compute_logprobs(logits), kernels.log_softmax(logits))
 
 
 @pytest.mark.parametrize("device", [
