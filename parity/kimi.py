@@ -1,6 +1,6 @@
 """kimi-mini math, shared by both engines: the KDA mixer, the MLA mixer with its sparse indexer,
 and the MoE feed-forward. The vLLM rollout model (rollout/kimi.py) and the Megatron trainer
-(trainer/kimi.py) call these very functions; each engine only supplies its parameters and the
+(trainer/megatron/kimi.py) call these very functions; each engine only supplies its parameters and the
 per-request context (the trainer: the whole sequence; vLLM: its caches and recurrent state).
 
 Modules passed in as `m` follow the HF checkpoint names (a linear is any callable submodule;

@@ -4,12 +4,12 @@ Like torchtitan's `state_dict_adapter.py`: `from_hf` builds the fused tensors fr
 checkpoint, `to_hf` is its inverse, and both are derived from one table, `weight_map(spec)`.
 Each entry is one tensor in the fused layout both sides hold (parity/layouts.py) with
 
-- its Megatron-core state-dict name (the trainer, trainer/model.py and trainer/kimi.py),
+- its Megatron-core state-dict name (the trainer, trainer/megatron/model.py and trainer/megatron/kimi.py),
 - its name in the vLLM parity model (rollout/llama.py, rollout/kimi.py),
 - the HF checkpoint tensors it is made of, in pack order, and how they are packed,
 - how tensor parallelism shards it on each side (parity/tp.py; None = replicated).
 
-The trainer's conversion (trainer/convert.py), the rollout model's weight loading and
+The trainer's conversion (trainer/megatron/convert.py), the rollout model's weight loading and
 full-weight sync, and the TP shard rules all read this table; nothing else spells a name.
 Packing only moves bytes, so from_hf / to_hf round trips are bitwise.
 """
@@ -82,7 +82,7 @@ def _dense(spec: ModelSpec) -> list[Weight]:
     return out
 
 
-# kimi-mini (trainer/kimi.py module names). The rollout model holds HF names, except that every
+# kimi-mini (trainer/megatron/kimi.py module names). The rollout model holds HF names, except that every
 # expert keeps [gate; up] fused as `gate_up_proj` (what Megatron's linear_fc1 holds). No TP.
 _KIMI_COMMON = {
     "input_layernorm.weight": "input_layernorm.weight",

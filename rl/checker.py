@@ -1,9 +1,10 @@
 """`kimi-rl parity check`: sample in vLLM, re-score the same tokens in Megatron (or, with
-`--trainer deepspeed`, in the deepspeed backend's HF parity model under ZeRO), compare.
+`--trainer deepspeed`, in the deepspeed backend's HF parity model under ZeRO), compare. The
+trainer side is reached through trainer.backend only (`rescore`).
 
 Flow: validate every input before any engine starts; sample completions for each batch size
 with one vLLM engine (engine-seeded; temperature / top-p / top-k from the flags, default 1 / off /
-off); close it; score exactly those tokens with the Megatron trainer (in different batches than
+off); close it; score exactly those tokens with the trainer backend (in different batches than
 vLLM used) under the same sampling transform (parity.sampling: vLLM's processed log-probs);
 compare bit for bit; print a table; write report.json + HTML + PNGs; exit 1 on any mismatch
 when parity is on.
@@ -16,6 +17,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from parity.dtypes import torch_dtype
 from parity.kernels import kernel_info
 from parity.sampling import Sampling, request_key
 from rl.errors import UserError
+from trainer.backend import Adapter
 
 BUILTIN_PROMPTS = [
     "The quick brown fox",
@@ -64,7 +67,7 @@ class CheckArgs:
     zero_stage: int = 2  # deepspeed's ZeRO stage
 
 
-def load_adapter(path: Path) -> tuple[dict[str, torch.Tensor], int, float, list[str]]:
+def load_adapter(path: Path) -> Adapter:
     """A peft adapter directory (adapter_model.safetensors + adapter_config.json, as the
     trainer's checkpoints and peft write them): (tensors by peft name, rank, alpha, targets)."""
     from safetensors.torch import load_file
@@ -173,6 +176,7 @@ def load_prompt_file(path: Path) -> list[dict]:
 
 
 def validate(ns: argparse.Namespace) -> CheckArgs:
+    """Every flag checked, and its files read, before any engine starts."""
     from rl.models import validate_model_dir
 
     model = Path(ns.model)
@@ -186,6 +190,32 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
     prompts = Path(ns.prompts) if ns.prompts else None
     if prompts is not None:
         load_prompt_file(prompts)  # fail on a bad line before any engine starts
+    rollout_tp, trainer_tp = _tp_sizes(ns, model)
+    adapter = Path(ns.adapter) if getattr(ns, "adapter", None) else None
+    if adapter is not None:
+        _check_adapter_fits(ns, model, adapter)
+    if ns.parity == "off":
+        _check_stock_engine(model)
+    trainer = getattr(ns, "trainer", "megatron")
+    if trainer == "deepspeed" and (ns.parity != "on" or trainer_tp > 1):
+        raise UserError("--trainer deepspeed re-scores with the HF parity model: it needs "
+                        "--parity on and --trainer-tp 1")
+    report = Path(ns.report) if ns.report else None
+    if report is not None and report.exists() and not report.is_dir():
+        raise UserError(f"--report: {report} exists and is not a directory")
+    return CheckArgs(
+        model=model, dtype=ns.dtype, prompts=prompts, num_prompts=ns.num_prompts,
+        max_tokens=ns.max_tokens, batch_sizes=_parse_batch_sizes(ns.batch_sizes),
+        parity=ns.parity == "on", seed=ns.seed, report=report,
+        max_num_batched_tokens=ns.max_num_batched_tokens, rollout_tp=rollout_tp, trainer_tp=trainer_tp,
+        adapter=adapter, sampling=_sampling(ns), cuda_graphs=getattr(ns, "cuda_graphs", "off") == "on",
+        trainer=trainer, zero_stage=getattr(ns, "zero_stage", 2),
+    )
+
+
+def _tp_sizes(ns: argparse.Namespace, model: Path) -> tuple[int, int]:
+    """(rollout TP, trainer TP): --rollout-tp / --trainer-tp, else --tensor-parallel-size;
+    each one checked to split the model."""
     tp_size = getattr(ns, "tensor_parallel_size", 1)
     sizes = {
         "--rollout-tp": tp_size if getattr(ns, "rollout_tp", None) is None else ns.rollout_tp,
@@ -204,50 +234,40 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
                 check_tp(ModelSpec.from_dir(model), size)
             except ValueError as e:
                 raise UserError(f"{named}: {e}") from None
-    rollout_tp, trainer_tp = sizes["--rollout-tp"], sizes["--trainer-tp"]
-    adapter = Path(ns.adapter) if getattr(ns, "adapter", None) else None
-    if adapter is not None:
-        if ns.parity != "on":
-            raise UserError("--adapter needs --parity on (the parity models hold adapters in memory)")
-        # Fail on a bad adapter before any engine starts: its files, then its fit to the model.
-        tensors, lora_rank, alpha, _ = load_adapter(adapter)
-        from parity.model_spec import load_spec
-        from rollout.engine import check_adapter
+    return sizes["--rollout-tp"], sizes["--trainer-tp"]
 
-        try:
-            check_adapter(load_spec(model), ns.dtype,
-                          {k: v.to(torch_dtype(ns.dtype)) for k, v in tensors.items()}, alpha / lora_rank)
-        except ValueError as e:
-            raise UserError(f"--adapter {adapter}: does not fit {model}: {e}") from None
-    if ns.parity == "off":
-        from parity.model_spec import load_spec
-        from rollout.engine import check_stock_engine
 
-        try:
-            check_stock_engine(load_spec(model))
-        except ValueError as e:
-            raise UserError(f"--parity off: stock vLLM cannot run {model}: {e}") from None
+def _check_adapter_fits(ns: argparse.Namespace, model: Path, adapter: Path) -> None:
+    """A bad adapter fails before any engine starts: its files, then its fit to the model."""
+    if ns.parity != "on":
+        raise UserError("--adapter needs --parity on (the parity models hold adapters in memory)")
+    tensors, lora_rank, alpha, _ = load_adapter(adapter)
+    from parity.model_spec import load_spec
+    from rollout.engine import check_adapter
+
     try:
-        sampling = Sampling(getattr(ns, "temperature", 1.0), getattr(ns, "top_p", 1.0),
-                            getattr(ns, "top_k", 0))
+        check_adapter(load_spec(model), ns.dtype,
+                      {k: v.to(torch_dtype(ns.dtype)) for k, v in tensors.items()}, alpha / lora_rank)
+    except ValueError as e:
+        raise UserError(f"--adapter {adapter}: does not fit {model}: {e}") from None
+
+
+def _check_stock_engine(model: Path) -> None:
+    from parity.model_spec import load_spec
+    from rollout.engine import check_stock_engine
+
+    try:
+        check_stock_engine(load_spec(model))
+    except ValueError as e:
+        raise UserError(f"--parity off: stock vLLM cannot run {model}: {e}") from None
+
+
+def _sampling(ns: argparse.Namespace) -> Sampling:
+    try:
+        return Sampling(getattr(ns, "temperature", 1.0), getattr(ns, "top_p", 1.0), getattr(ns, "top_k", 0))
     except ValueError as e:  # "top_p must be in (0, 1], got 2.0" -> "--top-p must be ..."
         flag, _, rest = str(e).partition(" ")
         raise UserError(f"--{flag.replace('_', '-')} {rest}") from None
-    trainer = getattr(ns, "trainer", "megatron")
-    if trainer == "deepspeed" and (ns.parity != "on" or trainer_tp > 1):
-        raise UserError("--trainer deepspeed re-scores with the HF parity model: it needs "
-                        "--parity on and --trainer-tp 1")
-    report = Path(ns.report) if ns.report else None
-    if report is not None and report.exists() and not report.is_dir():
-        raise UserError(f"--report: {report} exists and is not a directory")
-    return CheckArgs(
-        model=model, dtype=ns.dtype, prompts=prompts, num_prompts=ns.num_prompts,
-        max_tokens=ns.max_tokens, batch_sizes=_parse_batch_sizes(ns.batch_sizes),
-        parity=ns.parity == "on", seed=ns.seed, report=report,
-        max_num_batched_tokens=ns.max_num_batched_tokens, rollout_tp=rollout_tp, trainer_tp=trainer_tp,
-        adapter=adapter, sampling=sampling, cuda_graphs=getattr(ns, "cuda_graphs", "off") == "on",
-        trainer=trainer, zero_stage=getattr(ns, "zero_stage", 2),
-    )
 
 
 def prompt_token_ids(args: CheckArgs) -> list[list[int]]:
@@ -287,17 +307,33 @@ class CheckResult:
 
 
 def run_check(args: CheckArgs, console=None) -> CheckResult:
-    """Sample in vLLM, close it, re-score the same tokens in Megatron, compare."""
+    """Sample in vLLM, close it, re-score the same tokens in the trainer backend, compare."""
     from rich.console import Console
-    from rich.progress import Progress
 
     from parity.model_spec import load_spec
-    from rollout.engine import RolloutEngine
 
     console = console or Console(stderr=True)
     spec = load_spec(args.model)
     adapter = load_adapter(args.adapter) if args.adapter else None
     prompts = prompt_token_ids(args)
+    context = _check_prompt_lengths(args, spec, prompts)
+
+    t0 = time.perf_counter()
+    samples = sample_in_vllm(args, spec, prompts, context, adapter, console)
+    rollout_seconds = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    completions = [c for bs in args.batch_sizes for c in samples[bs]]
+    train_logprobs = rescore_with_progress(args, completions, adapter, console)
+    train_seconds = time.perf_counter() - t1
+
+    seconds = {"rollout": round(rollout_seconds, 2), "train": round(train_seconds, 2)}
+    return CheckResult(build_report(args, samples, completions, train_logprobs, seconds),
+                       completions, train_logprobs)
+
+
+def _check_prompt_lengths(args: CheckArgs, spec, prompts: list[list[int]]) -> int:
+    """The longest prompt + --max-tokens, checked against the model's context and vocabulary."""
     too_long = max(len(p) for p in prompts) + args.max_tokens
     if too_long > spec.max_position_embeddings:
         raise UserError(
@@ -307,14 +343,22 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
     for p in prompts:
         if max(p) >= spec.vocab_size:
             raise UserError(f"prompt token id {max(p)} is outside the vocabulary ({spec.vocab_size})")
+    return too_long
 
-    t0 = time.perf_counter()
+
+def sample_in_vllm(args: CheckArgs, spec, prompts: list[list[int]], context: int, adapter, console) -> dict[int, list]:
+    """{batch size: completions}: every prompt batch of every batch size sampled by one vLLM
+    engine (closed on return)."""
+    from rich.progress import Progress
+
+    from rollout.engine import RolloutEngine
+
     samples: dict[int, list] = {}
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("starting vLLM", total=None)
         with RolloutEngine(
             str(args.model), dtype=args.dtype, parity=args.parity, seed=args.seed,
-            max_model_len=min(spec.max_position_embeddings, too_long + 1),
+            max_model_len=min(spec.max_position_embeddings, context + 1),
             max_num_seqs=max(args.batch_sizes),
             max_num_batched_tokens=args.max_num_batched_tokens,
             tensor_parallel_size=args.rollout_tp,
@@ -333,42 +377,39 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
                                     sampling=args.sampling, keys=[request_key(args.seed, 0, i, 0) for i in idx])
                 )
                 progress.advance(task)
-    rollout_seconds = time.perf_counter() - t0
+    return samples
 
-    from trainer.logprobs import sequence_logprobs
-    from trainer.megatron_patches import init_megatron
-    from trainer.model import load_model
 
-    t1 = time.perf_counter()
-    completions = [c for bs in args.batch_sizes for c in samples[bs]]
-    if args.trainer == "deepspeed":
-        train_logprobs = score_deepspeed(
-            args, [c.prompt_ids + c.token_ids for c in completions], [len(c.prompt_ids) for c in completions],
-            adapter,
-        )
-    elif args.trainer_tp > 1:
-        train_logprobs = score_tensor_parallel(
-            args, [c.prompt_ids + c.token_ids for c in completions], [len(c.prompt_ids) for c in completions],
-            adapter,
-        )
-    else:
-        init_megatron(seed=args.seed)
-        model = load_model(args.model, args.dtype, parity=args.parity).eval()
-        if adapter is not None:
-            _attach_adapter(model, spec, adapter)
-        train_logprobs = []
-        with torch.no_grad(), Progress(console=console, transient=True) as progress:
-            task = progress.add_task("re-scoring in Megatron", total=len(completions))
-            step = 8
-            for i in range(0, len(completions), step):
-                chunk = completions[i : i + step]
-                train_logprobs += sequence_logprobs(
-                    model, [c.prompt_ids + c.token_ids for c in chunk], [len(c.prompt_ids) for c in chunk],
-                    sampling=args.sampling,
-                )
-                progress.advance(task, len(chunk))
-    train_seconds = time.perf_counter() - t1
+def rescore(
+    args: CheckArgs, sequences: list[list[int]], starts: list[int], adapter: Adapter | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[torch.Tensor]:
+    """The trainer backend's (--trainer, at --trainer-tp; trainer.backend) log-probs of the
+    tokens seq[start:] under the sampling transform vLLM sampled with. `adapter`: (peft
+    tensors, rank, alpha, targets), attached on every rank."""
+    from trainer.backend import ScoreSetup, get_backend
 
+    setup = ScoreSetup(
+        model_dir=args.model, dtype=args.dtype, parity=args.parity, seed=args.seed,
+        sampling=args.sampling, adapter=adapter, tensor_parallel_size=args.trainer_tp,
+        zero_stage=args.zero_stage,
+    )
+    return get_backend(args.trainer).score(setup, sequences, starts, progress)
+
+
+def rescore_with_progress(args: CheckArgs, completions: list, adapter, console) -> list[torch.Tensor]:
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"re-scoring in {args.trainer}", total=len(completions))
+        return rescore(args, [c.prompt_ids + c.token_ids for c in completions],
+                       [len(c.prompt_ids) for c in completions], adapter,
+                       lambda n: progress.advance(task, n))
+
+
+def build_report(args: CheckArgs, samples: dict[int, list], completions: list,
+                 train_logprobs: list[torch.Tensor], seconds: dict[str, float]) -> dict:
+    """What report.json holds: the settings, the comparison over all tokens and per batch size."""
     per_bs, offset = {}, 0
     for bs in args.batch_sizes:
         n = len(samples[bs])
@@ -378,7 +419,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
         per_bs[str(bs)] = stats.to_dict()
         offset += n
     total = compare_logprobs([c.rollout_logprobs for c in completions], train_logprobs)
-    report = {
+    return {
         "model": str(args.model),
         "dtype": args.dtype,
         "parity": "on" if args.parity else "off",
@@ -396,90 +437,8 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
         **total.to_dict(),
         "passed": total.all_equal,
         "per_batch_size": per_bs,
-        "seconds": {"rollout": round(rollout_seconds, 2), "train": round(train_seconds, 2)},
+        "seconds": seconds,
     }
-    return CheckResult(report, completions, train_logprobs)
-
-
-def _attach_adapter(model, spec, adapter) -> None:
-    from trainer.lora import apply_lora, load_peft_state_dict
-
-    tensors, lora_rank, alpha, targets = adapter
-    apply_lora(model, spec, lora_rank, alpha, list(targets))
-    load_peft_state_dict(model, tensors)
-
-
-def score_deepspeed(
-    args: CheckArgs, sequences: list[list[int]], starts: list[int], adapter=None
-) -> list[torch.Tensor]:
-    """Re-score with the deepspeed backend's model (one rank, gloo; DeepSpeed adopts a process
-    group that is already up) in the Megatron path's grouping (8 sequences a batch)."""
-    from trainer.deepspeed_engine import init_distributed, scoring_model
-    from trainer.hf_model import sequence_logprobs
-    from trainer.megatron_patches import free_port
-
-    init_distributed(0, 1, free_port())
-    model = scoring_model(args.model, args.dtype, args.zero_stage, adapter)
-    with torch.no_grad():
-        return sequence_logprobs(model.engine, sequences, starts, 8, args.sampling)
-
-
-def _score_rank(
-    rank: int, size: int, port: int, model_dir: str, dtype: str, parity: bool, seed: int,
-    sequences: list[list[int]], starts: list[int], out_path: str, adapter=None,
-    sampling: Sampling | None = None,
-) -> None:
-    """One Megatron tensor-parallel rank of score_tensor_parallel (a spawned process)."""
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )
-    # One share of the cores per rank, as vLLM binds its TP workers (rollout.engine).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    import torch.distributed as dist
-
-    from trainer.logprobs import sequence_logprobs
-    from trainer.megatron_patches import init_megatron
-    from trainer.model import load_model
-
-    init_megatron(tp_size=size, seed=seed)
-    model = load_model(model_dir, dtype, parity=parity, tp_size=size).eval()
-    if adapter is not None:  # replicated on every rank
-        from parity.model_spec import load_spec
-
-        _attach_adapter(model, load_spec(model_dir), adapter)
-    out = []
-    with torch.no_grad():
-        for i in range(0, len(sequences), 8):  # the TP=1 path's grouping
-            out += sequence_logprobs(model, sequences[i : i + 8], starts[i : i + 8], sampling=sampling)
-    if rank == 0:
-        torch.save(out, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def score_tensor_parallel(
-    args: CheckArgs, sequences: list[list[int]], starts: list[int], adapter=None
-) -> list[torch.Tensor]:
-    """Re-score with Megatron at TP = args.trainer_tp: that many processes (gloo,
-    torch.multiprocessing), every rank scoring every sequence; rank 0's log-probs come back
-    (the logits are all-gathered, so every rank holds the same). `adapter`, optional:
-    (peft tensors, rank, alpha, targets), a LoRA adapter attached on every rank."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from trainer.megatron_patches import free_port
-
-    size = args.trainer_tp
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "logprobs.pt")
-        mp.spawn(
-            _score_rank, nprocs=size, join=True,
-            args=(size, free_port(), str(args.model), args.dtype, args.parity, args.seed,
-                  sequences, starts, out_path, adapter, args.sampling),
-        )
-        return torch.load(out_path, weights_only=True)  # tensors only, never pickled objects
 
 
 def print_table(report: dict, console) -> None:

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="kimi-rl", description="kimi-rl: RL with bit-identical rollout/trainer log-probs")
     parser.add_argument("--version", action="version", version=f"kimi-rl {_version()}")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show every third-party warning and log line (also: KIMI_RL_VERBOSE=1); "
+                        "by default the known noisy ones are hidden (rl/quiet.py)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_model_commands(commands)
     add_parity_commands(commands)
@@ -47,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rl import quiet
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Before anything imports torch, vLLM or DeepSpeed: the filters and the environment they
+    # set must be in place when those load. `--verbose` counts anywhere on the line.
+    verbose = "--verbose" in argv
+    argv = [word for word in argv if word != "--verbose"]
+    quiet.install(verbose)
+
     from parity.hf_config import register_hf_config
 
     # A CLI process registers what it needs itself: kimi-mini's model_type is unknown to

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from rl.config import RayConfig
+from rl.quiet import worker_runtime_env
 from rl.ray_patches import bind_to_loopback
 
 # Ray puts unix sockets at <temp_dir>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store
@@ -46,7 +47,7 @@ def start_ray(cfg: RayConfig, run_dir: str | Path, num_cpus_needed: int) -> None
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if cfg.address:
         # The cluster's owner decides its auth; Ray reads RAY_AUTH_MODE / RAY_AUTH_TOKEN(_PATH).
-        ray.init(address=cfg.address, log_to_driver=True)
+        ray.init(address=cfg.address, log_to_driver=True, runtime_env=worker_runtime_env())
         return
     # Token auth (Ray 2.60: RAY_AUTH_MODE=token; every gRPC call between Ray's processes then
     # carries the token). Ray's default token file is ~/.ray/auth_token; RAY_AUTH_TOKEN_PATH,
@@ -65,6 +66,7 @@ def start_ray(cfg: RayConfig, run_dir: str | Path, num_cpus_needed: int) -> None
         log_to_driver=True,
         configure_logging=True,
         logging_level="warning",
+        runtime_env=worker_runtime_env(),  # rl/quiet.py's filters in every worker
     )
 
 

@@ -340,6 +340,21 @@ def _check(cfg: Config, sources: _Sources) -> None:
         if module not in LORA_MODULES:
             raise err(f"lora.target_modules[{i}]", f"expected one of {', '.join(LORA_MODULES)}; "
                       f"got {module!r}")
+    _check_tensor_parallel(cfg, sources, model_dir)
+    try:
+        cfg.rollout.sampling()
+    except ValueError as e:  # a temperature vLLM would treat as greedy
+        raise err("rollout.temperature", str(e).removeprefix("temperature ")) from None
+    if cfg.lora.enabled and not cfg.lora.target_modules:
+        raise err("lora.target_modules", f"is empty; pick from {', '.join(LORA_MODULES)}")
+    _check_model_fit(cfg, sources, model_dir)
+    _check_algorithm(cfg, sources)
+    _check_data_reward_hooks(cfg, sources)
+
+
+def _check_tensor_parallel(cfg: Config, sources: _Sources, model_dir: Path) -> None:
+    """trainer / rollout tensor_parallel_size: what TP needs, and that the model splits."""
+    err = sources.error
     # Any rollout TP against any trainer TP: the row-parallel K-order is fixed by the model
     # (parity.tp.row_splits), so the two sides agree bit for bit at different TP sizes.
     trainer_tp = cfg.trainer.tensor_parallel_size
@@ -369,12 +384,11 @@ def _check(cfg: Config, sources: _Sources) -> None:
             check_tp(spec, size)
         except ValueError as e:
             raise err(key, str(e)) from None
-    try:
-        cfg.rollout.sampling()
-    except ValueError as e:  # a temperature vLLM would treat as greedy
-        raise err("rollout.temperature", str(e).removeprefix("temperature ")) from None
-    if cfg.lora.enabled and not cfg.lora.target_modules:
-        raise err("lora.target_modules", f"is empty; pick from {', '.join(LORA_MODULES)}")
+
+
+def _check_model_fit(cfg: Config, sources: _Sources, model_dir: Path) -> None:
+    """The rules that depend on the model's architecture (kimi-mini or a dense model)."""
+    err = sources.error
     try:
         architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or [""]
     except (OSError, ValueError, AttributeError):
@@ -403,6 +417,10 @@ def _check(cfg: Config, sources: _Sources) -> None:
                           f"not in {architectures[0]}")
     if cfg.trainer.backend == "deepspeed":
         _check_deepspeed(cfg, sources, architectures[0])
+
+
+def _check_algorithm(cfg: Config, sources: _Sources) -> None:
+    err = sources.error
     if cfg.algorithm.is_correction != "none" and cfg.parity.enabled:
         raise err("algorithm.is_correction", f"{cfg.algorithm.is_correction!r} needs "
                   "parity.enabled: false (with parity the two sides' log-probs match: nothing to correct)")
@@ -412,6 +430,11 @@ def _check(cfg: Config, sources: _Sources) -> None:
     if cfg.algorithm.name in ("grpo", "rloo") and cfg.rollout.samples_per_prompt < 2:
         raise err("rollout.samples_per_prompt", f"must be >= 2 for algorithm.name "
                   f"{cfg.algorithm.name}: its baseline is the other samples of the same prompt")
+
+
+def _check_data_reward_hooks(cfg: Config, sources: _Sources) -> None:
+    """data, reward and sync hooks: the files and the user code they name, and resume_from."""
+    err = sources.error
     if cfg.data.source == "jsonl":
         if cfg.data.path is None:
             raise err("data.path", "required when data.source is jsonl", sources.of("data.source"))
@@ -443,7 +466,7 @@ def _check(cfg: Config, sources: _Sources) -> None:
 def _check_deepspeed(cfg: Config, sources: _Sources, architecture: str) -> None:
     """trainer.backend deepspeed: the HF parity model (dense Llama / Qwen3) under ZeRO; the
     user's DeepSpeed JSON is read and checked now, before any work starts."""
-    from trainer.deepspeed_engine import EngineSettings, deepspeed_config
+    from trainer.backend import get_backend
 
     err, ds = sources.error, cfg.trainer.deepspeed
     if architecture == "KimiMiniForCausalLM":
@@ -456,9 +479,8 @@ def _check_deepspeed(cfg: Config, sources: _Sources, architecture: str) -> None:
     if ds.ranks > rows:
         raise err("trainer.deepspeed.ranks", f"is {ds.ranks}, but a minibatch has {rows} "
                   "sequences: every rank needs at least one")
-    settings = EngineSettings(zero_stage=ds.zero_stage, config_path=ds.config, optimizer=cfg.trainer.optimizer)
     try:
-        deepspeed_config(settings, cfg.model.dtype)
+        get_backend("deepspeed").check_config(cfg.trainer, cfg.model.dtype)
     except ValueError as e:
         raise err("trainer.deepspeed.config", str(e)) from None
 

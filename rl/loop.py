@@ -117,7 +117,7 @@ class Run:
 
         from rl.cluster import TrainerGroup, placement_group
         from rollout.worker import RolloutWorker
-        from trainer.worker import trainer_worker
+        from trainer.backend import get_backend
 
         tp = cfg.trainer.tensor_parallel_size
         self.pg = placement_group(n, use_gpus=False, trainer_ranks=tp)
@@ -128,7 +128,7 @@ class Run:
         # The ranks' torch.distributed rendezvous: a file, fresh for this start (one node).
         self._rendezvous = tempfile.TemporaryDirectory(prefix="kimi-rl-trainer-")
         ranks = [
-            ray.remote(trainer_worker(cfg.trainer.backend))
+            ray.remote(get_backend(cfg.trainer.backend).worker_class())
             .options(num_cpus=1, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=n + r),
                      runtime_env=env)
             .remote(
@@ -310,116 +310,193 @@ def write_pids(run: Run, run_dir: Path) -> None:
     (run_dir / "pids.json").write_text(json.dumps(pids) + "\n")
 
 
+@dataclass
+class Logs:
+    """Where a run reports: metrics.jsonl, wandb, issues.log and the console."""
+
+    metrics: MetricsLog
+    wandb: Wandb
+    issues: Any  # issues.log, open for appending
+    console: Any
+
+    @classmethod
+    def open(cls, cfg: Config, run_dir: Path, console, resume_step: int | None) -> Logs:
+        return cls(
+            MetricsLog(run_dir, resume_step=resume_step),
+            Wandb(cfg.logging.wandb, cfg.logging.project, run_dir, config={"run_dir": str(run_dir)}),
+            open(run_dir / "issues.log", "a", encoding="utf-8"),  # noqa: SIM115 (closed by close())
+            console,
+        )
+
+    def record(self, record: dict[str, Any]) -> None:
+        self.metrics.write(record)
+        self.wandb.log(record)
+
+    def issue(self, line: str) -> None:
+        self.issues.write(line + "\n")
+        self.issues.flush()
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.wandb.close()
+        self.issues.close()
+
+
+@dataclass
+class Loop:
+    """What every step uses: the config, the actors, the data, the weight sync and the logs."""
+
+    cfg: Config
+    run: Run
+    pre: Preflight
+    source: Any  # rl.data.PromptSource
+    logs: Logs
+    run_dir: Path
+    step: int  # the step in progress (for messages)
+    sync: Any = None  # step -> sync metrics: the current policy to every rollout worker
+
+
 def train(cfg: Config, console=None) -> Path:
     """Run (or resume, with cfg.checkpoint.resume_from) a training run; returns the run dir.
     Raises RunFailed (a step could not complete) or RunStopped (SIGINT / SIGTERM)."""
     import ray
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from rl.data import PromptSource, format_prompt
-    from rl.rewards import score_batch
 
     console = console or Console()
     pre = preflight(cfg)
-    run_dir = Path(cfg.run_dir)
-    resume_dir = Path(cfg.checkpoint.resume_from) if cfg.checkpoint.resume_from else None
-    if resume_dir is not None:
-        from trainer.checkpoint import CheckpointError, read_checkpoint_state
-
-        try:
-            resumed = read_checkpoint_state(resume_dir)  # checked now, not after Ray started
-        except CheckpointError as e:
-            raise user_error(e) from None
-        run_dir = Path(resumed["path"]).parent.parent  # <run_dir>/checkpoints/step_N
-        for reason in resumed["skipped"]:
-            console.print(f"[yellow]skipped invalid checkpoint[/] {escape(reason)}")
-        console.print(f"resuming from {escape(str(resumed['path']))} (step {resumed['step']})")
-    else:
-        resumed = None
-        if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
-            raise UserError(f"run_dir: {run_dir} already holds a run; continue it with "
-                            f"--resume {run_dir}, or choose another run_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+    run_dir, resumed = prepare_run_dir(cfg, console)
     for issue in pre.data_issues:
         console.print(f"[yellow]skipped data row[/] {issue}")
-
-    source = PromptSource(pre.samples, cfg.data.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    start_step = 0
-    if resumed is not None:
-        source.load_state_dict(resumed["extra"]["data"])
-        start_step = resumed["step"]
-    metrics = MetricsLog(run_dir, resume_step=start_step if resumed is not None else None)
-    wandb = Wandb(cfg.logging.wandb, cfg.logging.project, run_dir, config={"run_dir": str(run_dir)})
-    issues_log = open(run_dir / "issues.log", "a", encoding="utf-8")  # noqa: SIM115
-
-    console.print(f"[bold]kimi-rl train[/] → {run_dir}  ({cfg.algorithm.name}, "
-                  f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full weights'}, "
-                  f"parity {'on, on_mismatch ' + cfg.parity.on_mismatch if cfg.parity.enabled else 'off'}, "
-                  f"{cfg.rollout.num_workers} rollout worker(s))")
-    run = Run(cfg, run_dir)
+    source, start_step = prompt_source(cfg, pre, resumed)
+    logs = Logs.open(cfg, run_dir, console, resume_step=start_step if resumed is not None else None)
+    console.print(_banner(cfg, run_dir))
+    loop = Loop(cfg, Run(cfg, run_dir), pre, source, logs, run_dir, step=start_step + 1)
     stop = StopOnSignal()
-    step = start_step + 1  # the step in progress (the loop below reassigns it), for messages
     try:
-        write_pids(run, run_dir)
+        write_pids(loop.run, run_dir)
         if resumed is not None:
-            from trainer.checkpoint import CheckpointError
-
-            try:
-                ray.get(run.trainer.load_checkpoint.remote(str(resumed["path"])))
-            except CheckpointError as e:
-                raise user_error(e) from None
-        probe = [format_prompt(s, pre.tokenizer, cfg.data.chat_template)
-                 for s in pre.samples[: cfg.sync.parity_probe_prompts]]
-        weight_sync = make_sync(run, cfg, probe)
-
-        def sync(step: int) -> dict[str, float]:
-            kind, tensors, scaling = run.policy_tensors()
-            return weight_sync.sync(step, tensors, kind=kind, scaling=scaling)
-
-        sync(start_step)
-        columns = [TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-                   TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
-        with Progress(*columns, console=console, disable=not cfg.logging.console) as progress:
-            task = progress.add_task("train", total=cfg.total_steps, completed=start_step, info="")
-            for step in range(start_step + 1, cfg.total_steps + 1):
-                record = train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, console,
-                                    run_dir)
-                metrics.write(record)
-                wandb.log(record)
-                saved = cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.total_steps
-                if saved:
-                    save(run, run_dir, step, source, cfg)
-                progress.update(task, advance=1, info="skipped" if record["step/skipped"] else (
-                    f"reward {record['reward/mean']:.3f}  parity {record['parity/bitwise_equal_fraction']:.4f}"
-                    f"  kl {record['ppo/kl']:.2e}"))
-                if stop.signum is not None and step < cfg.total_steps:
-                    if not saved:
-                        save(run, run_dir, step, source, cfg)
-                    name = signal.Signals(stop.signum).name
-                    raise RunStopped(f"{name}: stopped after step {step}, checkpoint "
-                                     f"{run_dir / 'checkpoints' / _step_name(step)}; continue with "
-                                     f"--resume {run_dir}", stop.signum)
+            load_resumed(loop.run, resumed)
+        loop.sync = start_sync(loop)
+        loop.sync(start_step)
+        run_steps(loop, start_step, stop)
         if cfg.total_steps > start_step:
-            save(run, run_dir, cfg.total_steps, source, cfg)
+            save(loop.run, run_dir, cfg.total_steps, source, cfg)
     except ray.exceptions.RayActorError as e:
-        if _alive(run.trainer):
+        if _alive(loop.run.trainer):
             raise
-        raise RunFailed(f"step {step}: the trainer process died "
+        raise RunFailed(f"step {loop.step}: the trainer process died "
                         f"({type(e).__name__}); the step was not applied; {_last_checkpoint(run_dir)}") from None
     finally:
         stop.restore()
-        metrics.close()
-        wandb.close()
-        issues_log.close()
-        run.close()
+        logs.close()
+        loop.run.close()
     if cfg.logging.plot:
         png = plot_curves(run_dir)
         if png:
             console.print(f"curves: {png}")
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}")
     return run_dir
+
+
+def prepare_run_dir(cfg: Config, console) -> tuple[Path, dict | None]:
+    """(run dir, the resumed checkpoint's state or None), the run dir created with the
+    resolved config in it. A resume target is checked now, before Ray starts; a fresh run
+    refuses a run dir that already holds a run."""
+    run_dir = Path(cfg.run_dir)
+    resumed = None
+    if cfg.checkpoint.resume_from:
+        from trainer.checkpoint import CheckpointError, read_checkpoint_state
+
+        try:
+            resumed = read_checkpoint_state(Path(cfg.checkpoint.resume_from))
+        except CheckpointError as e:
+            raise user_error(e) from None
+        run_dir = Path(resumed["path"]).parent.parent  # <run_dir>/checkpoints/step_N
+        for reason in resumed["skipped"]:
+            console.print(f"[yellow]skipped invalid checkpoint[/] {escape(reason)}")
+        console.print(f"resuming from {escape(str(resumed['path']))} (step {resumed['step']})")
+    elif (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        raise UserError(f"run_dir: {run_dir} already holds a run; continue it with "
+                        f"--resume {run_dir}, or choose another run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+    return run_dir, resumed
+
+
+def prompt_source(cfg: Config, pre: Preflight, resumed: dict | None):
+    """(the prompt source, the last completed step): from the start, or where the resumed
+    checkpoint left the data cursor."""
+    from rl.data import PromptSource
+
+    source = PromptSource(pre.samples, cfg.data.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    if resumed is None:
+        return source, 0
+    source.load_state_dict(resumed["extra"]["data"])
+    return source, resumed["step"]
+
+
+def _banner(cfg: Config, run_dir: Path) -> str:
+    return (f"[bold]kimi-rl train[/] → {run_dir}  ({cfg.algorithm.name}, "
+            f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full weights'}, "
+            f"parity {'on, on_mismatch ' + cfg.parity.on_mismatch if cfg.parity.enabled else 'off'}, "
+            f"{cfg.rollout.num_workers} rollout worker(s))")
+
+
+def load_resumed(run: Run, resumed: dict) -> None:
+    import ray
+
+    from trainer.checkpoint import CheckpointError
+
+    try:
+        ray.get(run.trainer.load_checkpoint.remote(str(resumed["path"])))
+    except CheckpointError as e:
+        raise user_error(e) from None
+
+
+def start_sync(loop: Loop):
+    """step -> sync metrics: the trainer's current policy to every rollout worker, through the
+    configured hooks (the parity probe scores the first data prompts)."""
+    from rl.data import format_prompt
+
+    cfg, run = loop.cfg, loop.run
+    probe = [format_prompt(s, loop.pre.tokenizer, cfg.data.chat_template)
+             for s in loop.pre.samples[: cfg.sync.parity_probe_prompts]]
+    weight_sync = make_sync(run, cfg, probe)
+
+    def sync(step: int) -> dict[str, float]:
+        kind, tensors, scaling = run.policy_tensors()
+        return weight_sync.sync(step, tensors, kind=kind, scaling=scaling)
+
+    return sync
+
+
+def run_steps(loop: Loop, start_step: int, stop: StopOnSignal) -> None:
+    """Steps start_step + 1 .. total_steps, each logged, with a checkpoint every
+    `checkpoint.every` steps; after a signal, a checkpoint at this step boundary and RunStopped."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    cfg, run_dir = loop.cfg, loop.run_dir
+    columns = [TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=loop.logs.console, disable=not cfg.logging.console) as progress:
+        task = progress.add_task("train", total=cfg.total_steps, completed=start_step, info="")
+        for step in range(start_step + 1, cfg.total_steps + 1):
+            loop.step = step
+            record = train_step(loop, step)
+            loop.logs.record(record)
+            saved = cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.total_steps
+            if saved:
+                save(loop.run, run_dir, step, loop.source, cfg)
+            progress.update(task, advance=1, info="skipped" if record["step/skipped"] else (
+                f"reward {record['reward/mean']:.3f}  parity {record['parity/bitwise_equal_fraction']:.4f}"
+                f"  kl {record['ppo/kl']:.2e}"))
+            if stop.signum is not None and step < cfg.total_steps:
+                if not saved:
+                    save(loop.run, run_dir, step, loop.source, cfg)
+                name = signal.Signals(stop.signum).name
+                raise RunStopped(f"{name}: stopped after step {step}, checkpoint "
+                                 f"{run_dir / 'checkpoints' / _step_name(step)}; continue with "
+                                 f"--resume {run_dir}", stop.signum)
 
 
 def _step_name(step: int) -> str:
@@ -485,30 +562,64 @@ def write_mismatch(run_dir: Path, step: int, completions: list[dict], old_logpro
     return path, first
 
 
-def train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, console, run_dir) -> dict[str, Any]:
+def train_step(loop: Loop, step: int) -> dict[str, Any]:
     """One step: rollout, reward, parity check, train, sync. Returns the step's metrics record
     (`step/skipped` 1 when the step was not applied: non-finite rewards or loss)."""
     import ray
 
+    t0 = time.perf_counter()
+    group_samples, completions = rollout_step(loop, step)
+    times = {"time/rollout": time.perf_counter() - t0, "time/reward": 0.0, "time/train": 0.0}
+    t0 = time.perf_counter()
+    rewards, issues, record = reward_step(loop, step, group_samples, completions)
+    times["time/reward"] = time.perf_counter() - t0
+    non_finite = [i for i in issues if i.non_finite]
+    if non_finite:
+        return _skip(loop, step, record, f"{len(non_finite)} non-finite reward(s) ({non_finite[0]})", times)
+
+    # train: old-policy log-probs, compared bitwise with the rollout's BEFORE the update
+    batch = {
+        "sequences": [c["prompt_ids"] + c["token_ids"] for c in completions],
+        "starts": [len(c["prompt_ids"]) for c in completions],
+        "rollout_logprobs": [c["rollout_logprobs"] for c in completions],
+        "rewards": rewards,
+        "group_size": loop.cfg.rollout.samples_per_prompt,
+    }
+    t0 = time.perf_counter()
+    old_logprobs = ray.get(loop.run.trainer.old_logprobs.remote(batch))
+    record.update(check_parity(loop, step, completions, old_logprobs))
+    result = ray.get(loop.run.trainer.train_step.remote(batch, old_logprobs))
+    times["time/train"] = time.perf_counter() - t0
+    if result["skipped"]:  # the trainer restored its state: nothing changed, nothing to sync
+        return _skip(loop, step, record, result["skipped"], times)
+
+    # sync the updated policy to the rollout workers
+    sync_metrics = loop.sync(step)
+    return {**record, **result["stats"], **{"sync/checksum_ok": 0.0, **sync_metrics}, **times}
+
+
+def rollout_step(loop: Loop, step: int) -> tuple[list, list[dict]]:
+    """(samples, completions): each prompt of the step sampled samples_per_prompt times,
+    consecutively (GRPO / RLOO groups)."""
     from rl.data import format_prompt
 
-    # rollout: each prompt samples_per_prompt times, consecutively (GRPO/RLOO groups)
-    samples = source.next_batch()
-    k = cfg.rollout.samples_per_prompt
-    group_samples = [s for s in samples for _ in range(k)]
-    prompts = [format_prompt(s, pre.tokenizer, cfg.data.chat_template) for s in group_samples]
-    t0 = time.perf_counter()
-    completions = generate_with_restart(run, prompts, step, console, issues_log)
-    t_rollout = time.perf_counter() - t0
+    cfg = loop.cfg
+    samples = loop.source.next_batch()
+    group_samples = [s for s in samples for _ in range(cfg.rollout.samples_per_prompt)]
+    prompts = [format_prompt(s, loop.pre.tokenizer, cfg.data.chat_template) for s in group_samples]
+    return group_samples, generate_with_restart(loop.run, prompts, step, loop.logs)
 
-    # reward
-    texts = [pre.tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in completions]
-    rewards, reward_issues = score_batch(pre.reward_fn, texts, group_samples)
-    for issue in reward_issues:
-        issues_log.write(f"step {step}: reward: {issue}\n")
-        console.print(f"[yellow]step {step}: reward function failed[/] {issue}")
-    issues_log.flush()
-    t_reward = time.perf_counter() - t0 - t_rollout
+
+def reward_step(loop: Loop, step: int, group_samples: list, completions: list[dict]) -> tuple[torch.Tensor, list, dict[str, Any]]:
+    """(rewards, reward issues, the step's record so far): the completions scored; a reward
+    function that raises is reported and scores 0."""
+    from rl.rewards import score_batch
+
+    texts = [loop.pre.tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in completions]
+    rewards, issues = score_batch(loop.pre.reward_fn, texts, group_samples)
+    for issue in issues:
+        loop.logs.issue(f"step {step}: reward: {issue}")
+        loop.logs.console.print(f"[yellow]step {step}: reward function failed[/] {issue}")
     reward_t = torch.tensor(rewards, dtype=torch.float32)
     lengths = torch.tensor([len(c["token_ids"]) for c in completions], dtype=torch.float32)
     record: dict[str, Any] = {
@@ -516,71 +627,45 @@ def train_step(cfg, run, step, source, pre, sync, score_batch, issues_log, conso
         "step/skipped": 0.0,
         "reward/mean": float(reward_t.mean()),
         "reward/std": float(reward_t.std()) if len(reward_t) > 1 else 0.0,
-        "reward/issues": len(reward_issues),
+        "reward/issues": len(issues),
         "response/length_mean": float(lengths.mean()),
     }
-    non_finite = [i for i in reward_issues if i.non_finite]
-    if non_finite:
-        return _skip(record, step, f"{len(non_finite)} non-finite reward(s) ({non_finite[0]})",
-                     console, issues_log, t_rollout, t_reward)
+    return reward_t, issues, record
 
-    # train: old-policy log-probs, compared bitwise with the rollout's BEFORE the update
-    batch = {
-        "sequences": [c["prompt_ids"] + c["token_ids"] for c in completions],
-        "starts": [len(c["prompt_ids"]) for c in completions],
-        "rollout_logprobs": [c["rollout_logprobs"] for c in completions],
-        "rewards": reward_t,
-        "group_size": k,
-    }
-    t1 = time.perf_counter()
-    old_logprobs = ray.get(run.trainer.old_logprobs.remote(batch))
-    parity = compare_logprobs(batch["rollout_logprobs"], old_logprobs)
+
+def check_parity(loop: Loop, step: int, completions: list[dict], old_logprobs: list[torch.Tensor]) -> dict[str, float]:
+    """The trainer's old-policy log-probs against the rollout's, bit for bit: a mismatch (with
+    parity on) is written to mismatch/step_N.json and stops the run (on_mismatch fail) or is
+    reported (warn). Returns the parity/* metrics."""
+    cfg = loop.cfg
+    parity = compare_logprobs([c["rollout_logprobs"] for c in completions], old_logprobs)
     if cfg.parity.enabled and not parity.all_equal:
-        path, first = write_mismatch(run_dir, step, completions, old_logprobs)
+        path, first = write_mismatch(loop.run_dir, step, completions, old_logprobs)
         message = (f"step {step}: rollout and trainer log-probs differ in "
                    f"{parity.sequences - parity.sequences_equal} sequence(s), "
                    f"{parity.tokens_compared - parity.tokens_equal} token(s); first at sequence "
                    f"{first['sequence']} token {first['token_index']} (id {first['token_id']}): rollout "
                    f"{first['rollout']!r}, trainer {first['trainer']!r}; sequences in {path}")
-        issues_log.write(message + "\n")
-        issues_log.flush()
+        loop.logs.issue(message)
         if cfg.parity.on_mismatch == "fail":
             raise RunFailed(f"{message}; the update was not applied (parity.on_mismatch: fail)")
-        console.print(f"[red]{escape(message)}[/] (parity.on_mismatch: warn: training on)")
-    result = ray.get(run.trainer.train_step.remote(batch, old_logprobs))
-    t_train = time.perf_counter() - t1
-    record.update({
+        loop.logs.console.print(f"[red]{escape(message)}[/] (parity.on_mismatch: warn: training on)")
+    return {
         "parity/tokens": parity.tokens_compared,
         "parity/bitwise_equal_fraction": parity.bitwise_equal_fraction,
         "parity/max_abs_diff": parity.max_abs_diff,
         "parity/kl_k1": parity.kl_k1,
         "parity/kl_k3": parity.kl_k3,
-    })
-    if result["skipped"]:  # the trainer restored its state: nothing changed, nothing to sync
-        return _skip(record, step, result["skipped"], console, issues_log, t_rollout, t_reward, t_train)
-
-    # sync the updated policy to the rollout workers
-    sync_metrics = sync(step)
-    return {
-        **record,
-        **result["stats"],
-        **{"sync/checksum_ok": 0.0, **sync_metrics},
-        "time/rollout": t_rollout,
-        "time/reward": t_reward,
-        "time/train": t_train,
     }
 
 
-def _skip(record: dict, step: int, reason: str, console, issues_log, t_rollout: float, t_reward: float,
-          t_train: float = 0.0) -> dict[str, Any]:
-    console.print(f"[yellow]step {step} skipped[/] (policy unchanged): {escape(reason)}")
-    issues_log.write(f"step {step}: skipped (policy unchanged): {reason}\n")
-    issues_log.flush()
-    return {**record, "step/skipped": 1.0, "time/rollout": t_rollout, "time/reward": t_reward,
-            "time/train": t_train}
+def _skip(loop: Loop, step: int, record: dict, reason: str, times: dict[str, float]) -> dict[str, Any]:
+    loop.logs.console.print(f"[yellow]step {step} skipped[/] (policy unchanged): {escape(reason)}")
+    loop.logs.issue(f"step {step}: skipped (policy unchanged): {reason}")
+    return {**record, "step/skipped": 1.0, **times}
 
 
-def generate_with_restart(run: Run, prompts: list[list[int]], step: int, console, issues_log) -> list[dict]:
+def generate_with_restart(run: Run, prompts: list[list[int]], step: int, logs: Logs) -> list[dict]:
     """A rollout worker that dies is reported, restarted once, re-synced, and the step's rollout
     re-run (its seed is a function of the step, so the retry samples the same tokens)."""
     import ray
@@ -592,9 +677,8 @@ def generate_with_restart(run: Run, prompts: list[list[int]], step: int, console
         if not dead:
             raise
         for i in dead:
-            console.print(f"[red]step {step}: rollout worker {i} died[/] ({type(e).__name__}); restarting it")
-            issues_log.write(f"step {step}: rollout worker {i} died ({type(e).__name__}); restarted\n")
-            issues_log.flush()
+            logs.console.print(f"[red]step {step}: rollout worker {i} died[/] ({type(e).__name__}); restarting it")
+            logs.issue(f"step {step}: rollout worker {i} died ({type(e).__name__}); restarted")
             run.restart_worker(i)
             run.resync_worker(i)
         try:

@@ -406,7 +406,7 @@ class RolloutEngine:
     def set_adapter(self, tensors: Tensors, scaling: float) -> None:
         """Compute with a LoRA adapter from now on, replacing any previous one: `tensors` by
         peft name (parity.lora.peft_key) in the engine dtype, e.g.
-        trainer.lora.rollout_tensors(model); `scaling` = alpha / rank."""
+        trainer.megatron.lora.rollout_tensors(model); `scaling` = alpha / rank."""
         self._require_parity("set_adapter")
         # The worker checks again; checking here first raises ValueError in this process
         # (across processes vLLM turns a worker's exception into a bare Exception) and sends

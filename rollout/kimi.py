@@ -1,6 +1,6 @@
 """`ParityKimiMiniForCausalLM`: the vLLM side of the kimi-mini hybrid (KDA + MLA with a sparse
 indexer, MoE feed-forward). Every numerically relevant op is a `parity.kimi` / `parity.kernels`
-call, the very functions the Megatron trainer (trainer/kimi.py) runs, so log-probs are bitwise
+call, the very functions the Megatron trainer (trainer/megatron/kimi.py) runs, so log-probs are bitwise
 equal to the trainer's. Per layer (the trainer runs exactly this):
 
     x = x + mixer(rms_norm(x, input_layernorm))          # kda_mixer | MLA (mla_entries,

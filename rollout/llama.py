@@ -99,7 +99,7 @@ class _FusedLinear(PackedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1 and self.fused in tp.ROW_PARALLEL:
-            # The trainer's sum (trainer.layers._rank_ordered_linear): all-gather the fp32
+            # The trainer's sum (trainer.megatron.layers._rank_ordered_linear): all-gather the fp32
             # partials of the rank's K-slices, add them in slice order in fp32, round once.
             from vllm.distributed import tensor_model_parallel_all_gather
 
@@ -244,7 +244,7 @@ def adapter_pairs(
             raise ValueError(f"{name}: the model has {spec.num_layers} layers")
         if tensor.dtype != dtype:
             # A silent cast here could round differently from the trainer's: the caller sends
-            # the tensors the trainer computes with (trainer.lora.rollout_tensors).
+            # the tensors the trainer computes with (trainer.megatron.lora.rollout_tensors).
             raise ValueError(f"{name}: dtype {tensor.dtype}, the model computes in {dtype}")
         found.setdefault((layer, target), {})[which] = tensor.detach()
     shapes = part_shapes(spec)

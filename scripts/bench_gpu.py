@@ -198,9 +198,9 @@ def trainer() -> None:
     import tempfile
 
     from rl.models import init_model
-    from trainer.logprobs import sequence_logprobs
-    from trainer.megatron_patches import init_megatron
-    from trainer.model import load_model
+    from trainer.megatron.logprobs import sequence_logprobs
+    from trainer.megatron.model import load_model
+    from trainer.megatron.patches import init_megatron
 
     init_megatron()
     tmp = Path(tempfile.mkdtemp())

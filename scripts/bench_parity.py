@@ -113,8 +113,8 @@ def bench_rollout(
 
 
 def bench_trainer(path: Path, dtype: str, parity: bool, batch: int, seq: int, repeats: int) -> float:
-    from trainer.logprobs import sequence_logprobs
-    from trainer.model import load_model
+    from trainer.megatron.logprobs import sequence_logprobs
+    from trainer.megatron.model import load_model
 
     model = load_model(path, dtype, parity=parity).train()
     g = torch.Generator().manual_seed(0)
@@ -181,7 +181,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from trainer.megatron_patches import init_megatron
+    from trainer.megatron.patches import init_megatron
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", default="tiny,smollm2", help="comma-separated: tiny, smollm2, kimi (or none)")

@@ -42,7 +42,7 @@ def _adapter(spec, rank: int, dtype: torch.dtype, seed: int) -> dict[str, torch.
 
 def _fused(weights: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
     """HF checkpoint weights in the rollout parity model's parameter names and fused layouts
-    (what trainer.convert.megatron_to_rollout gives for the same model)."""
+    (what trainer.megatron.convert.megatron_to_rollout gives for the same model)."""
     from parity.layouts import pack_gate_up, pack_qkv
 
     out = {}
@@ -60,7 +60,7 @@ def _fused(weights: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
 
 class AdapterTrainer:
     """Stands in for the trainer actor in the sync path: holds an adapter in the model dtype
-    and packs it the way trainer.worker.TrainerWorker.rollout_packed does."""
+    and packs it the way trainer.megatron.worker.TrainerWorker.rollout_packed does."""
 
     def __init__(self, spec, rank: int, dtype: torch.dtype) -> None:
         self.spec, self.rank, self.dtype = spec, rank, dtype
@@ -157,7 +157,7 @@ def main() -> None:
     engine.close()
 
     # Through Ray, exactly as the training loop syncs: the trainer actor packs its adapter
-    # (trainer.worker.TrainerWorker.rollout_packed -> the object store), the driver takes it
+    # (trainer.megatron.worker.TrainerWorker.rollout_packed -> the object store), the driver takes it
     # (rl.loop.Run.policy_tensors) and runs rl.loop.make_sync's WeightSync with the configured
     # hooks, the workers copy it in and hash what they hold. Each repeat syncs a fresh adapter
     # (the stand-in trainer draws new values first, outside the timed region).

@@ -1,5 +1,5 @@
 """Benchmark one trainer step per backend, side by side in one run: the Megatron backend
-(trainer.policy) and the deepspeed backend (trainer.deepspeed_policy) at ZeRO stages 0-3, on
+(trainer.megatron.policy) and the deepspeed backend (trainer.deepspeed.policy) at ZeRO stages 0-3, on
 the same model, batch and settings, one rank each (gloo), in this process.
 
 A step is `train_step` on a fixed GRPO batch: scoring the old log-probs, advantages, and one
@@ -51,10 +51,11 @@ def main() -> None:
 
     from rl.models import init_model
     from trainer.config import AlgorithmConfig, DeepSpeedConfig, LoraConfig, TrainerConfig
-    from trainer.deepspeed_engine import init_distributed
-    from trainer.deepspeed_policy import DeepSpeedPolicyTrainer
-    from trainer.megatron_patches import free_port, init_megatron
-    from trainer.policy import PolicyTrainer
+    from trainer.deepspeed.engine import init_distributed
+    from trainer.deepspeed.policy import DeepSpeedPolicyTrainer
+    from trainer.distributed import free_port
+    from trainer.megatron.patches import init_megatron
+    from trainer.megatron.policy import PolicyTrainer
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", default="llama", choices=["llama", "qwen3"])

@@ -44,7 +44,7 @@ def model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def megatron():
     """torch.distributed (gloo, world of one) and Megatron's parallel state, once per session."""
-    from trainer.megatron_patches import init_megatron
+    from trainer.megatron.patches import init_megatron
 
     init_megatron()
 

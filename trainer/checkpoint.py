@@ -1,4 +1,4 @@
-"""Atomic training checkpoints of a PolicyTrainer.
+"""Atomic training checkpoints of a PolicyStep.
 
 Layout under `run_dir/checkpoints/`:
 
@@ -31,10 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from trainer.lora import peft_config, save_peft
-
-if TYPE_CHECKING:  # Megatron is imported by whoever builds the trainer, not by a checkpoint reader
-    from trainer.policy import PolicyTrainer
+if TYPE_CHECKING:  # a backend is imported by whoever builds the trainer, not by a checkpoint reader
+    from trainer.step import PolicyStep
 
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
@@ -54,7 +52,7 @@ def step_dir_name(step: int) -> str:
 
 
 def save_checkpoint(
-    run_dir: str | Path, step: int, trainer: PolicyTrainer, extra: dict[str, Any], keep: int = 2
+    run_dir: str | Path, step: int, trainer: PolicyStep, extra: dict[str, Any], keep: int = 2
 ) -> Path:
     """Write checkpoint `step`, point `latest` at it, keep the `keep` newest; returns its dir."""
     root, name, state = begin_checkpoint(run_dir, step, extra, keep)
@@ -266,7 +264,7 @@ def read_checkpoint_state(path: str | Path) -> dict[str, Any]:
     return {**state, "path": step, "skipped": skipped}
 
 
-def load_checkpoint(path: str | Path, trainer: PolicyTrainer) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, trainer: PolicyStep) -> dict[str, Any]:
     """Restore `trainer` from a step dir or a run dir (its newest valid one); returns
     read_checkpoint_state(path)."""
     state = read_checkpoint_state(path)
@@ -281,3 +279,20 @@ def load_checkpoint(path: str | Path, trainer: PolicyTrainer) -> dict[str, Any]:
     except (KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{step}: checkpoint does not fit this trainer ({type(e).__name__}: {e})") from None
     return state
+
+
+def peft_config(rank: int, alpha: float, targets: list[str], base_model: str) -> dict:
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+        "lora_dropout": 0.0, "target_modules": sorted(targets), "bias": "none",
+        "base_model_name_or_path": base_model, "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+    }
+
+
+def save_peft(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """Write adapter_model.safetensors + adapter_config.json (caller makes it atomic)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -19,7 +19,7 @@ KIMI_ONLY_LORA_MODULES = tuple(t for t in LORA_MODULES if t not in DENSE_LORA_TA
 
 @dataclass
 class DeepSpeedConfig:
-    """The deepspeed backend (trainer.deepspeed_engine): the HF parity model under ZeRO."""
+    """The deepspeed backend (trainer.deepspeed.engine): the HF parity model under ZeRO."""
 
     zero_stage: int = setting(2, ge=0, le=3)
     # A user's DeepSpeed JSON (ZeRO / offload / communication sections); its
@@ -30,8 +30,8 @@ class DeepSpeedConfig:
 
 @dataclass
 class TrainerConfig:
-    # megatron: Megatron-core GPTModel (trainer.policy); deepspeed: the HF transformers model
-    # under DeepSpeed ZeRO (trainer.deepspeed_policy). Both compute through the parity kernels.
+    # megatron: Megatron-core GPTModel (trainer.megatron.policy); deepspeed: the HF transformers model
+    # under DeepSpeed ZeRO (trainer.deepspeed.policy). Both compute through the parity kernels.
     backend: Literal["megatron", "deepspeed"] = "megatron"
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     tensor_parallel_size: int = setting(1, ge=1)

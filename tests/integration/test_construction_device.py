@@ -86,9 +86,9 @@ def test_rope_table_ignores_the_ambient_device(context):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_trainer_models_build_their_tables_on_one_device(model_factory, megatron, arch):
     from parity.model_spec import load_spec
-    from trainer.hf_model import ParityRotaryEmbedding
-    from trainer.kimi import build_kimi_gpt
-    from trainer.model import build_gpt
+    from trainer.deepspeed.model import ParityRotaryEmbedding
+    from trainer.megatron.kimi import build_kimi_gpt
+    from trainer.megatron.model import build_gpt
 
     spec = load_spec(model_factory(arch, "bf16"))
     if arch == "kimi-mini":

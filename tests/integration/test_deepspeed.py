@@ -138,11 +138,11 @@ def test_bad_deepspeed_settings_fail_before_ray(model_factory, tmp_path, capsys,
 def test_every_rank_gets_as_many_micro_batches():
     """ZeRO reduces inside backward, so every rank must run as many micro-batches, none empty;
     together they cover the minibatch once, in order, none above micro_batch_size where the
-    rows allow it; one rank alone runs trainer.policy's own micro-batches."""
+    rows allow it; one rank alone runs trainer.step's own micro-batches."""
     from types import SimpleNamespace
 
-    from trainer.deepspeed_policy import DeepSpeedPolicyTrainer
-    from trainer.policy import _chunks
+    from trainer.deepspeed.policy import DeepSpeedPolicyTrainer
+    from trainer.step import chunks as step_chunks
 
     for n in (1, 2, 3):
         for size in range(n, 21):
@@ -159,4 +159,4 @@ def test_every_rank_gets_as_many_micro_batches():
                 if -(-needed // n) * n <= size:  # as many on every rank, none empty: possible
                     assert all(len(c) <= mbs for c in chunks)
                 if n == 1:
-                    assert shares[0] == _chunks(rows, mbs)
+                    assert shares[0] == step_chunks(rows, mbs)

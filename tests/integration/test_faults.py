@@ -277,8 +277,8 @@ def test_nan_loss_restores_the_trainer(model_factory, megatron):
     trainer's own guard): GRPO's advantages, the loss and the gradients become NaN, and
     guarded_train_step puts back the trainable weights, optimizer and RNG state."""
     from trainer.config import AlgorithmConfig, LoraConfig
-    from trainer.policy import PolicyTrainer
-    from trainer.worker import guarded_train_step
+    from trainer.megatron.policy import PolicyTrainer
+    from trainer.megatron.worker import guarded_train_step
 
     trainer = PolicyTrainer(model_factory("llama"), lora=LoraConfig(enabled=True, rank=4, alpha=8),
                             algorithm=AlgorithmConfig(name="grpo"), seed=0)

@@ -1,4 +1,4 @@
-"""The HF transformers parity model (trainer.hf_model, the DeepSpeed backend's model) scores
+"""The HF transformers parity model (trainer.deepspeed.model, the DeepSpeed backend's model) scores
 tokens bit for bit like the Megatron parity model (and so like vLLM), on tiny Llama (tied
 embeddings) and Qwen3 (q/k norm), fp32 and bf16, with and without a peft LoRA adapter.
 
@@ -41,12 +41,12 @@ def _trained_adapter(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _score_both(model_dir, dtype, targets):
     """(megatron, hf batched, hf one at a time) log-probs, and the two models."""
-    from trainer import hf_lora
-    from trainer import lora as megatron_lora
-    from trainer.hf_model import load_hf_model
-    from trainer.hf_model import sequence_logprobs as hf_logprobs
-    from trainer.logprobs import sequence_logprobs
-    from trainer.model import load_model
+    from trainer.deepspeed import lora as hf_lora
+    from trainer.deepspeed.model import load_hf_model
+    from trainer.deepspeed.model import sequence_logprobs as hf_logprobs
+    from trainer.megatron import lora as megatron_lora
+    from trainer.megatron.logprobs import sequence_logprobs
+    from trainer.megatron.model import load_model
 
     seqs, starts = _sequences()
     mg = load_model(model_dir, dtype).eval()
@@ -78,10 +78,10 @@ def test_base_model_logprobs_equal_megatron(megatron, model_factory, arch, dtype
 
 @pytest.mark.parametrize("arch,dtype", CASES, ids=IDS)
 def test_lora_logprobs_equal_megatron(megatron, model_factory, arch, dtype):
-    from trainer import hf_lora
-    from trainer import lora as megatron_lora
-    from trainer.hf_model import sequence_logprobs as hf_logprobs
-    from trainer.logprobs import sequence_logprobs
+    from trainer.deepspeed import lora as hf_lora
+    from trainer.deepspeed.model import sequence_logprobs as hf_logprobs
+    from trainer.megatron import lora as megatron_lora
+    from trainer.megatron.logprobs import sequence_logprobs
 
     targets = list(TARGETS) if arch == "llama" else ["q_proj", "v_proj", "down_proj"]
     expected, batched, alone, mg, hf = _score_both(model_factory(arch, dtype), dtype, targets)
@@ -100,8 +100,8 @@ def test_lora_logprobs_equal_megatron(megatron, model_factory, arch, dtype):
 
 
 def test_only_adapter_tensors_get_gradients(model_factory):
-    from trainer import hf_lora
-    from trainer.hf_model import forward_logits, load_hf_model
+    from trainer.deepspeed import lora as hf_lora
+    from trainer.deepspeed.model import forward_logits, load_hf_model
 
     model_dir = model_factory("qwen3", "fp32")
     hf = hf_lora.apply_lora(load_hf_model(model_dir), load_spec(model_dir), RANK, ALPHA, list(TARGETS))

@@ -33,7 +33,7 @@ def prompt_file(tmp_path_factory):
 def write_random_adapter(model_dir: str, out_dir, rank: int = 4, alpha: float = 8.0, seed: int = 0):
     """A peft adapter on every kimi-mini LoRA target with nonzero A and B (a fresh adapter has
     B = 0 and would test nothing)."""
-    from trainer.lora import peft_config, save_peft
+    from trainer.checkpoint import peft_config, save_peft
 
     spec = KimiSpec.from_dir(model_dir)
     gen = torch.Generator().manual_seed(seed)
@@ -70,10 +70,11 @@ def test_kimi_experts_and_indexer_positions_equal_trainer(model_factory, prompt_
     """The rollout engine's per-token choices (traced while it samples, prefill chunks and
     decode steps alike) equal the trainer's from one teacher-forced forward of the same tokens,
     with a LoRA adapter on both sides (it moves the hidden states the router and indexer see)."""
-    from rl.checker import _attach_adapter, load_adapter
+    from rl.checker import load_adapter
     from rollout.engine import RolloutEngine
-    from trainer.kimi import routing_trace
-    from trainer.model import load_model
+    from trainer.megatron.kimi import routing_trace
+    from trainer.megatron.lora import apply_lora, load_peft_state_dict
+    from trainer.megatron.model import load_model
 
     model_dir = model_factory("kimi-mini", "bf16")
     spec = KimiSpec.from_dir(model_dir)
@@ -81,14 +82,15 @@ def test_kimi_experts_and_indexer_positions_equal_trainer(model_factory, prompt_
     prompts = [json.loads(line)["prompt_ids"] for line in prompt_file.read_text().splitlines()]
     with RolloutEngine(model_dir, dtype="bf16", multiprocess=False, max_num_batched_tokens=BUDGET,
                        max_model_len=400) as engine:
-        tensors, rank, alpha, _ = adapter
+        tensors, rank, alpha, targets = adapter
         engine.set_adapter({k: v.to(torch.bfloat16) for k, v in tensors.items()}, alpha / rank)
         engine.trace(True)
         completions = engine.generate(prompts, max_tokens=8)
         trace = engine.take_trace()
         engine.trace(False)
     model = load_model(model_dir, "bf16").eval()
-    _attach_adapter(model, spec, adapter)
+    apply_lora(model, spec, rank, alpha, list(targets))
+    load_peft_state_dict(model, tensors)
     assert len(trace) == len(completions)
     selecting = 0
     for c, rollout in zip(completions, trace, strict=True):

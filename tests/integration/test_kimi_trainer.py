@@ -1,4 +1,4 @@
-"""kimi-mini on the Megatron trainer (trainer/kimi.py): HF <-> Megatron conversion, the rollout's
+"""kimi-mini on the Megatron trainer (trainer/megatron/kimi.py): HF <-> Megatron conversion, the rollout's
 parameter names, bitwise agreement with a plain loop over parity/kimi.py on the HF weights,
 padding invariance, LoRA (neutral when fresh, peft names) and a GRPO step."""
 
@@ -14,11 +14,12 @@ from parity import kernels
 from parity import kimi as pk
 from parity.model_spec import KimiSpec, load_spec
 from rl.config import AlgorithmConfig, LoraConfig, TrainerConfig
-from trainer import lora as lora_lib
-from trainer.convert import hf_to_megatron, megatron_to_hf, megatron_to_rollout
-from trainer.kimi import routing_trace
-from trainer.logprobs import sequence_logprobs
-from trainer.model import load_model
+from trainer.checkpoint import peft_config, save_peft
+from trainer.megatron import lora as lora_lib
+from trainer.megatron.convert import hf_to_megatron, megatron_to_hf, megatron_to_rollout
+from trainer.megatron.kimi import routing_trace
+from trainer.megatron.logprobs import sequence_logprobs
+from trainer.megatron.model import load_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TARGETS = list(pk.LORA_TARGETS)
@@ -276,7 +277,7 @@ def test_kimi_lora_fresh_is_neutral_nonzero_b_changes_and_names_are_peft(model_f
     hf = load_file(f"{path}/model.safetensors")
     want, _ = reference_logprobs(hf, spec, seqs[0], (_pairs(lora_lib.rollout_tensors(model)), 8.0 / 4))
     assert torch.equal(adapted[0], want)
-    lora_lib.save_peft(tmp_path, lora_lib.rollout_tensors(model), lora_lib.peft_config(4, 8.0, TARGETS, path))
+    save_peft(tmp_path, lora_lib.rollout_tensors(model), peft_config(4, 8.0, TARGETS, path))
     assert set(load_file(str(tmp_path / "adapter_model.safetensors"))) == expected
     assert all(torch.equal(a, b) for a, b in zip(base, disabled, strict=True))
 
@@ -288,7 +289,8 @@ def test_kimi_lora_fresh_is_neutral_nonzero_b_changes_and_names_are_peft(model_f
 
 
 def test_kimi_grpo_step_with_lora_moves_the_adapter(model_factory, megatron):
-    from trainer.policy import Batch, PolicyTrainer
+    from trainer.megatron.policy import PolicyTrainer
+    from trainer.step import Batch
 
     path = model_factory("kimi-mini", "fp32")
     trainer = PolicyTrainer(
@@ -309,13 +311,14 @@ def test_kimi_grpo_step_with_lora_moves_the_adapter(model_factory, megatron):
     assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if ".lora." not in n)
     gains = [(a - b).sum().item() for a, b in zip(trainer.logprobs(seqs, starts), before, strict=True)]
     assert gains[0] > 0 and gains[3] > 0, gains
-    # The rollout full-weight sync names (trainer/worker.py) hold for kimi too.
+    # The rollout full-weight sync names (trainer/megatron/worker.py) hold for kimi too.
     state = {k: v for k, v in trainer.model.state_dict().items() if torch.is_tensor(v) and ".lora." not in k}
     assert "model.layers.0.mlp.experts.0.gate_up_proj.weight" in megatron_to_rollout(state, trainer.spec)
 
 
 def test_kimi_ppo_critic_reads_final_hidden(model_factory, megatron):
-    from trainer.policy import Batch, PolicyTrainer
+    from trainer.megatron.policy import PolicyTrainer
+    from trainer.step import Batch
 
     trainer = PolicyTrainer(
         model_factory("kimi-mini", "fp32"), "fp32", True,
@@ -332,7 +335,8 @@ def test_kimi_ppo_critic_reads_final_hidden(model_factory, megatron):
 
 
 def test_kimi_full_fine_tune_step_exports_hf_weights(model_factory, megatron):
-    from trainer.policy import Batch, PolicyTrainer
+    from trainer.megatron.policy import PolicyTrainer
+    from trainer.step import Batch
 
     path = model_factory("kimi-mini", "bf16")
     trainer = PolicyTrainer(path, "bf16", True, LoraConfig(enabled=False),
@@ -347,7 +351,7 @@ def test_kimi_full_fine_tune_step_exports_hf_weights(model_factory, megatron):
 
 
 def test_kimi_refuses_stock_megatron_and_tensor_parallel(model_factory, megatron):
-    from trainer.kimi import build_kimi_gpt
+    from trainer.megatron.kimi import build_kimi_gpt
 
     path = model_factory("kimi-mini")
     with pytest.raises(ValueError, match="parity=True"):

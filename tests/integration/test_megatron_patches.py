@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.megatron_patches import cpu_current_device
+from trainer.megatron.patches import cpu_current_device
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only shims")
 
@@ -19,7 +19,7 @@ def _stock_forward(model):
 
 
 def test_current_device_shim_needed_and_applies(model_factory, megatron):
-    from trainer.model import load_model
+    from trainer.megatron.model import load_model
 
     model = load_model(model_factory("llama"), "fp32", parity=False).eval()
     with torch.no_grad():

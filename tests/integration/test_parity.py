@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from rl.checker import CheckArgs, run_check, score_deepspeed
+from rl.checker import CheckArgs, rescore, run_check
 from tests.conftest import write_prompt_file
 
 PROMPT_LENS = (1, 5, 17, 64, 130, 300, 620)
@@ -63,7 +63,7 @@ def test_rollout_logprobs_equal_trainer_logprobs(model_factory, prompt_file, arc
     # model under ZeRO-2, ZeRO-3 in bf16), bitwise too; no second vLLM engine needed.
     args = dataclasses.replace(_args(model_factory(arch, dtype), dtype, prompt_file, True),
                                trainer="deepspeed", zero_stage=3 if dtype == "bf16" else 2)
-    ds = score_deepspeed(args, [c.prompt_ids + c.token_ids for c in result.completions],
+    ds = rescore(args, [c.prompt_ids + c.token_ids for c in result.completions],
                          [len(c.prompt_ids) for c in result.completions])
     assert all(torch.equal(c.rollout_logprobs, d) for c, d in zip(result.completions, ds, strict=True))
 

@@ -1,4 +1,4 @@
-"""PolicyTrainer (trainer/policy.py) and its checkpoints (trainer/checkpoint.py) on the tiny
+"""PolicyTrainer (trainer/megatron/policy.py, the step in trainer/step.py) and its checkpoints (trainer/checkpoint.py) on the tiny
 Megatron llama: old log-probs are sequence_logprobs bitwise, the LoRA reference is the base,
 GRPO / RLOO / PPO steps learn, runs are deterministic, a resume is bitwise the uninterrupted
 run, and the saved adapter loads in HF transformers + peft."""
@@ -20,9 +20,10 @@ from trainer.checkpoint import (
     read_checkpoint_state,
     save_checkpoint,
 )
-from trainer.logprobs import forward_logits, sequence_logprobs
-from trainer.model import load_model
-from trainer.policy import Batch, PolicyTrainer
+from trainer.megatron.logprobs import forward_logits, sequence_logprobs
+from trainer.megatron.model import load_model
+from trainer.megatron.policy import PolicyTrainer
+from trainer.step import Batch
 
 # Two prompts x two samples (group_size 2), ragged lengths.
 _G = torch.Generator().manual_seed(0)
@@ -244,11 +245,11 @@ def test_bf16_full_fine_tune_steps_fp32_masters(model_factory, megatron):
 
 
 def test_frozen_weights_are_packed_once_and_give_the_same_bits(path):
-    """The LoRA base is packed once at construction (trainer.layers.pack_frozen_weights); the
+    """The LoRA base is packed once at construction (trainer.megatron.layers.pack_frozen_weights); the
     packs are exactly the per-call ones, the log-probs the same bits as an unpacked trainer's,
     and a trainable weight (full fine-tune) is never packed."""
     from parity import kernels
-    from trainer.layers import _FrozenPack
+    from trainer.megatron.layers import _FrozenPack
 
     trainer = make(path)
     layers = [m for m in trainer.model.modules() if isinstance(m, _FrozenPack) and m._frozen_pack]

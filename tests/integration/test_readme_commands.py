@@ -1,11 +1,13 @@
-"""Every command the README shows, run as a user runs it: the installed `kimi-rl` (and the
-scripts) as a subprocess, from a directory laid out like the repo root (`.venv`, `configs/`).
+"""Every command the README and the docs pages show, run as a user runs it: the installed
+`kimi-rl` (and the scripts) as a subprocess, from a directory laid out like the repo root
+(`.venv`, `configs/`).
 
 A command is shrunk only by flags or `key=value` overrides appended to it — the CLI takes the
 last value of a flag, so the code path is the README's — never by calling another function.
-`test_every_readme_command_is_listed` fails when the README gains a command that is not listed
-here, so a new documented command cannot go untested. The commands run in README order, as a
-reader would type them (later ones use the models and runs of earlier ones)."""
+`test_every_readme_command_is_listed` fails when the README or a docs page gains a command that
+is not listed here, so a new documented command cannot go untested. The commands run in the
+order of DOCS (the README first), as a reader would type them (later ones use the models and
+runs of earlier ones); a command shown on two pages runs once."""
 
 from __future__ import annotations
 
@@ -19,7 +21,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+# The pages whose `bash` blocks are run, in reading order (the README's commands make the
+# models the pages after it use).
+DOCS = ["README.md", "docs/parity_check.md", "docs/tensor_parallel.md", "docs/kimi.md", "docs/train.md",
+        "docs/hooks.md", "docs/deepspeed.md", "docs/development.md", "docs/design.md", "docs/benchmarks.md",
+        "docs/fuzz.md", "docs/faults_and_security.md", "docs/gpu_summary.md", "docs/README.md"]
+TEXT = "\n".join((ROOT / page).read_text() for page in DOCS)
 VENV = Path(sys.executable).parents[1]
 
 SMALL_CHECK = " --num-prompts 2 --max-tokens 4 --batch-sizes 1,2"
@@ -60,14 +67,21 @@ NOT_RUN = {
 
 
 def readme_commands() -> list[str]:
-    """The shell commands of the README's bash blocks, continuation lines joined, comments cut."""
-    out = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+    """The shell commands of the pages' bash blocks, continuation lines joined, comments cut,
+    each once (first page first)."""
+    out: list[str] = []
+    for block in re.findall(r"```bash\n(.*?)```", TEXT, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             command = " ".join(line.split("  #")[0].split())
-            if command:
+            if command and command not in out:
                 out.append(command)
     return out
+
+
+def test_every_docs_page_is_read():
+    """A new docs page with commands is read here too (gpu.md's commands run on a GPU machine)."""
+    pages = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")} - {"docs/gpu.md"}
+    assert pages <= set(DOCS)
 
 
 def test_every_readme_command_is_listed():
@@ -78,7 +92,7 @@ def test_every_readme_command_is_listed():
 
 
 def _python_block(marker: str) -> str:
-    return next(b for b in re.findall(r"```python\n(.*?)```", README, flags=re.S) if marker in b)
+    return next(b for b in re.findall(r"```python\n(.*?)```", TEXT, flags=re.S) if marker in b)
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +128,9 @@ def test_readme_command(command, user_dir):
     # (an in-process Megatron of an earlier test holds its MASTER_PORT).
     drop = {"PYTHONPATH", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
     env = {k: v for k, v in os.environ.items() if k not in drop}
+    # The tree under test first, whichever tree the venv's editable install points at (a
+    # command's own `PYTHONPATH=.` still wins).
+    env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(command + SHRINK[command], shell=True, cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

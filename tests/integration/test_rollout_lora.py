@@ -42,7 +42,7 @@ def digest(tensor: torch.Tensor) -> str:
 
 def randomize_adapter(model, seed: int, std: float, which: str = "B") -> None:
     """Overwrite lora_{which} of every adapter with N(0, std) draws (fixed seed), in place."""
-    from trainer.lora import adapters
+    from trainer.megatron.lora import adapters
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -54,7 +54,7 @@ def randomize_adapter(model, seed: int, std: float, which: str = "B") -> None:
 
 def trainer_scores(model, completions) -> list[torch.Tensor]:
     """The trainer's log-probs of each completion's sampled tokens."""
-    from trainer.logprobs import sequence_logprobs
+    from trainer.megatron.logprobs import sequence_logprobs
 
     seqs = [c.prompt_ids + c.token_ids for c in completions]
     with torch.no_grad():
@@ -62,7 +62,7 @@ def trainer_scores(model, completions) -> list[torch.Tensor]:
 
 
 def base_scores(model, completions) -> list[torch.Tensor]:
-    from trainer.lora import adapters_disabled
+    from trainer.megatron.lora import adapters_disabled
 
     with adapters_disabled(model):
         return trainer_scores(model, completions)
@@ -77,8 +77,8 @@ def checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{d}-{'mp' if m else 'inproc'}" for a, d, m in CASES])
 def case(request, model_factory, megatron):
-    from trainer.lora import apply_lora
-    from trainer.model import load_model
+    from trainer.megatron.lora import apply_lora
+    from trainer.megatron.model import load_model
 
     arch, dtype, multiprocess = request.param
     model_dir = model_factory(arch, dtype)
@@ -100,7 +100,7 @@ def case(request, model_factory, megatron):
 
 
 def push_adapter(case) -> dict[str, torch.Tensor]:
-    from trainer.lora import rollout_tensors
+    from trainer.megatron.lora import rollout_tensors
 
     tensors = rollout_tensors(case.trainer)
     case.engine.set_adapter(tensors, case.scaling)
@@ -141,7 +141,7 @@ def _held_adapter_storage(worker) -> list[int]:
 def test_resync_after_a_training_step(case):
     """A changed adapter (as after an optimizer step) pushed again: parity and checksums hold.
     In-process, the re-sync copies into the tensors already held instead of allocating."""
-    from trainer.lora import load_peft_state_dict, peft_state_dict
+    from trainer.megatron.lora import load_peft_state_dict, peft_state_dict
 
     push_adapter(case)
     storage = case.engine.llm.collective_rpc(_held_adapter_storage) if not case.multiprocess else None
@@ -163,7 +163,7 @@ def test_packed_sync_rollout_equals_trainer(case):
     checksums on the first sync of a layout and on a re-sync into the held buffer; a
     dict-of-tensors set_adapter afterwards still works."""
     from parity.wire import pack_tensors
-    from trainer.lora import load_peft_state_dict, peft_state_dict, rollout_tensors
+    from trainer.megatron.lora import load_peft_state_dict, peft_state_dict, rollout_tensors
 
     saved = {k: v.clone() for k, v in peft_state_dict(case.trainer).items()}
     try:
@@ -218,8 +218,8 @@ def test_update_weights_round_trip(case, tmp_path):
     """Full weights pushed by HF name: the engine then computes the new model (== a trainer
     built from the same weights), its checksums are those of what was sent; the originals
     pushed back restore the log-probs bitwise."""
-    from trainer.logprobs import sequence_logprobs
-    from trainer.model import load_model
+    from trainer.megatron.logprobs import sequence_logprobs
+    from trainer.megatron.model import load_model
 
     engine = case.engine
     engine.clear_adapter()
@@ -252,8 +252,8 @@ def test_update_weights_round_trip(case, tmp_path):
 
 def test_invalid_weights_are_refused(case):
     """Refused with ValueError before vLLM's reload starts, and the model is untouched."""
-    from trainer.logprobs import sequence_logprobs
-    from trainer.lora import adapters_disabled
+    from trainer.megatron.logprobs import sequence_logprobs
+    from trainer.megatron.lora import adapters_disabled
 
     engine = case.engine
     engine.clear_adapter()

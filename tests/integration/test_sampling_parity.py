@@ -33,8 +33,8 @@ def prompt_file(tmp_path_factory):
 
 
 def _rescore(model_dir: str, dtype: str, completions, sampling: Sampling) -> list[torch.Tensor]:
-    from trainer.logprobs import sequence_logprobs
-    from trainer.model import load_model
+    from trainer.megatron.logprobs import sequence_logprobs
+    from trainer.megatron.model import load_model
 
     model = load_model(model_dir, dtype).eval()
     with torch.no_grad():

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl.checker import CheckArgs, run_check, score_tensor_parallel
+from rl.checker import CheckArgs, rescore, run_check
 from tests.conftest import write_prompt_file
 
 PROMPT_LENS = (1, 5, 17, 64, 130, 300)
@@ -70,7 +70,7 @@ def test_trainer_tp2_scores_the_tp1_bits(model_factory, llama_fp32_2to1):
     TP=1 trainer's log-probs and to vLLM's, bit for bit (so TP=2 on both sides holds too)."""
     cs = llama_fp32_2to1.completions
     args = _args(model_factory("llama", "fp32"), "fp32", None)
-    tp2 = score_tensor_parallel(args, [c.prompt_ids + c.token_ids for c in cs], [len(c.prompt_ids) for c in cs])
+    tp2 = rescore(args, [c.prompt_ids + c.token_ids for c in cs], [len(c.prompt_ids) for c in cs])
     for c, t1, t2 in zip(cs, llama_fp32_2to1.train_logprobs, tp2, strict=True):
         assert torch.equal(t1, t2) and torch.equal(c.rollout_logprobs, t2)
 
@@ -117,7 +117,7 @@ def test_tp2_lora_and_weight_sync(model_factory, prompt_file):
     from parity.model_spec import ModelSpec
     from parity.wire import pack_tensors
     from rollout.engine import RolloutEngine
-    from trainer.convert import hf_to_megatron, megatron_to_rollout
+    from trainer.megatron.convert import hf_to_megatron, megatron_to_rollout
 
     model_dir = model_factory("llama", "fp32")
     spec = ModelSpec.from_dir(model_dir)
@@ -146,7 +146,7 @@ def test_tp2_lora_and_weight_sync(model_factory, prompt_file):
         engine.set_adapter_packed(flat, index, alpha / lora_rank)
         packed_logprobs = engine.prompt_logprobs(sequences)
     args = _args(model_dir, "fp32", prompt_file)
-    train = score_tensor_parallel(
+    train = rescore(
         args, [c.prompt_ids + c.token_ids for c in with_adapter],
         [len(c.prompt_ids) for c in with_adapter], adapter=(adapter, lora_rank, alpha, TARGETS),
     )

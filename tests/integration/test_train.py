@@ -99,10 +99,10 @@ def test_checkpoint_adapter_loads_in_stock_vllm(ppo_run, model_factory):
     finally:
         llm.llm_engine.engine_core.shutdown()
     from parity.model_spec import ModelSpec
-    from trainer.logprobs import sequence_logprobs
-    from trainer.lora import adapters_disabled, apply_lora, load_peft_state_dict
-    from trainer.megatron_patches import init_megatron
-    from trainer.model import load_model
+    from trainer.megatron.logprobs import sequence_logprobs
+    from trainer.megatron.lora import adapters_disabled, apply_lora, load_peft_state_dict
+    from trainer.megatron.model import load_model
+    from trainer.megatron.patches import init_megatron
 
     init_megatron()
     model = load_model(model_factory("llama"), "fp32", parity=True).eval()

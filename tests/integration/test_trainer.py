@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from parity.model_spec import ModelSpec
-from trainer.convert import hf_to_megatron, megatron_to_hf
-from trainer.logprobs import forward_logits, sequence_logprobs
-from trainer.model import load_model
+from trainer.megatron.convert import hf_to_megatron, megatron_to_hf
+from trainer.megatron.logprobs import forward_logits, sequence_logprobs
+from trainer.megatron.model import load_model
 
 ARCHS = ["llama", "qwen3"]
 

@@ -25,9 +25,10 @@ REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0])
 
 def _rank(rank: int, size: int, rendezvous: str, path: str, out: str) -> None:
     """One trainer rank: two PPO steps on a fixed batch; saves what the test compares."""
-    from trainer.megatron_patches import init_megatron
-    from trainer.policy import Batch, PolicyTrainer
-    from trainer.worker import init_world
+    from trainer.megatron.patches import init_megatron
+    from trainer.megatron.policy import PolicyTrainer
+    from trainer.megatron.worker import init_world
+    from trainer.step import Batch
 
     torch.set_num_threads(1)
     init_world(rank, size, rendezvous)
@@ -108,7 +109,7 @@ def test_steps_at_tp2_match_tp1(runs):
 def test_tp2_checkpoint_loads_at_tp1(runs, megatron):
     """Rank 0 writes the TP=1 format: a TP=1 trainer loads it into exactly rank 0's state."""
     from trainer.checkpoint import load_checkpoint, step_dir_name
-    from trainer.policy import PolicyTrainer
+    from trainer.megatron.policy import PolicyTrainer
 
     _, (rank0, _) = runs
     trainer = PolicyTrainer(

@@ -44,7 +44,7 @@ def test_destroy_process_group_patch_needed_and_applies():
         import torch.distributed as dist
         from vllm.distributed.parallel_state import destroy_distributed_environment
         from rollout.vllm_patches import keep_default_process_group
-        from trainer.megatron_patches import free_port
+        from trainer.distributed import free_port
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)

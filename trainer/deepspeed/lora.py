@@ -1,12 +1,12 @@
-"""peft LoRA on the HF parity model (trainer.hf_model): the DeepSpeed backend's adapters.
+"""peft LoRA on the HF parity model (trainer.deepspeed.model): the DeepSpeed backend's adapters.
 
 peft injects its LoRA layers and owns their parameters, names and save format; the parity
-model's fused linears compute the deltas (trainer.hf_model.fused_linear). Only adapter tensors
+model's fused linears compute the deltas (trainer.deepspeed.model.fused_linear). Only adapter tensors
 train. Adapters are fp32 (the optimizer's master copy; peft keeps them fp32 on a bf16 base) and
 are cast to the model dtype in the forward, so `rollout_tensors` hands the rollout model the
-very bits the trainer computes with, as trainer.lora does for Megatron.
+very bits the trainer computes with, as trainer.megatron.lora does for Megatron.
 
-The initial A matrices are drawn exactly as trainer.lora draws them (same seed, same order,
+The initial A matrices are drawn exactly as trainer.megatron.lora draws them (same seed, same order,
 same shapes), so both trainer backends start from the same adapter bit for bit.
 
 Slots: peft adapter names. The policy is peft's "default"; a PPO critic adds "critic" on the
@@ -50,7 +50,7 @@ def apply_lora(
     name: str = POLICY,
 ) -> nn.Module:
     """Freeze the base and add adapter `name` (peft LoRA, no dropout, B = 0) on `targets` of
-    every layer; A is drawn from `seed` as trainer.lora.apply_lora draws it. Returns the peft
+    every layer; A is drawn from `seed` as trainer.megatron.lora.apply_lora draws it. Returns the peft
     model (the first call wraps `model`; later calls add a slot to the peft model given)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -83,7 +83,7 @@ def _init_like_megatron(
         for i in range(spec.num_layers):
             for target in (t for parts in FUSED_PARTS.values() for t in parts if t in targets):
                 a = torch.empty(rank, shapes[target][0])
-                nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # trainer.lora.LoRAAdapter's draw
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # trainer.megatron.lora.LoRAAdapter's draw
                 layer = layers[(i, target)]
                 layer.lora_A[name].weight.copy_(a)
                 layer.lora_B[name].weight.zero_()

@@ -7,7 +7,7 @@ reference policy is the base model with adapters switched off (`adapters_disable
 second model copy. `peft_state_dict` / `save_peft` write peft's format, loadable by HF
 transformers + peft and by vLLM's --enable-lora.
 
-A linear can hold several named adapters ("slots", see trainer.layers) with one active at a
+A linear can hold several named adapters ("slots", see trainer.megatron.layers) with one active at a
 time: the policy ("policy", active by default) and e.g. a PPO critic ("critic") that shares
 the frozen base. `adapter_active` switches slots for a forward.
 
@@ -19,17 +19,15 @@ the functions here dispatch on the spec / model, the dense paths are unchanged.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-from pathlib import Path
 
 import torch
 from megatron.core.models.gpt import GPTModel
 
 from parity.lora import FUSED_PARTS, fused_delta, part_shapes, peft_key
 from parity.model_spec import KimiSpec, ModelSpec
-from trainer import kimi as kimi_lib
-from trainer.layers import POLICY_ADAPTER, with_lora_hook
+from trainer.megatron import kimi as kimi_lib
+from trainer.megatron.layers import POLICY_ADAPTER, with_lora_hook
 
 # Megatron module (relative to a decoder layer) of each fused linear.
 FUSED_MODULES = {
@@ -174,22 +172,3 @@ def load_peft_state_dict(model: GPTModel, tensors: dict[str, torch.Tensor]) -> N
             for name in adapter.names:
                 adapter.lora_A[name].copy_(tensors[_peft_key(i, adapter, name, "A")])
                 adapter.lora_B[name].copy_(tensors[_peft_key(i, adapter, name, "B")])
-
-
-def peft_config(rank: int, alpha: float, targets: list[str], base_model: str) -> dict:
-    return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-        "lora_dropout": 0.0, "target_modules": sorted(targets), "bias": "none",
-        "base_model_name_or_path": base_model, "fan_in_fan_out": False, "inference_mode": True,
-        "init_lora_weights": True, "use_rslora": False, "use_dora": False,
-    }
-
-
-def save_peft(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
-    """Write adapter_model.safetensors + adapter_config.json (caller makes it atomic)."""
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

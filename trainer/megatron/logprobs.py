@@ -7,7 +7,7 @@ from megatron.core.models.gpt import GPTModel
 
 from parity.sampling import Sampling
 from parity.scoring import batched_logprobs
-from trainer.megatron_patches import cpu_current_device
+from trainer.megatron.patches import cpu_current_device
 
 
 def forward_output(model: GPTModel, input_ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ Rank 0 is the actor the driver calls; it launches ranks 1..N-1 as processes of i
 (torch.multiprocessing, spawn) that follow it: each call the driver makes is broadcast to
 them (torch.distributed.broadcast_object_list) and every rank runs it, since training,
 ZeRO-3 gathers and checkpoints are collective; rank 0's result goes back. The actor's
-interface is trainer.worker.TrainerWorker's, so the loop drives either backend.
+interface is trainer.backend.TrainerWorker, so the loop drives either backend.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ class _Rank:
     """One rank: torch.distributed, then the DeepSpeed trainer."""
 
     def __init__(self, rank: int, world_size: int, port: int, kwargs: dict[str, Any]) -> None:
-        from trainer.deepspeed_engine import init_distributed
-        from trainer.deepspeed_policy import DeepSpeedPolicyTrainer
+        from trainer.deepspeed.engine import init_distributed
+        from trainer.deepspeed.policy import DeepSpeedPolicyTrainer
 
         threads = max(1, (os.cpu_count() or 1) // world_size)  # one share of the cores each
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -59,12 +59,12 @@ class _Rank:
         return self.policy.rollout_params()
 
     def save_checkpoint(self, run_dir: str, step: int, extra: dict, keep: int) -> str:
-        from trainer.deepspeed_checkpoint import save_checkpoint
+        from trainer.deepspeed.checkpoint import save_checkpoint
 
         return str(save_checkpoint(Path(run_dir), step, self.policy, extra, keep=keep))
 
     def load_checkpoint(self, path: str) -> dict:
-        from trainer.deepspeed_checkpoint import load_checkpoint
+        from trainer.deepspeed.checkpoint import load_checkpoint
 
         return load_checkpoint(Path(path), self.policy)
 
@@ -90,7 +90,7 @@ class DeepSpeedTrainerWorker:
     ) -> None:
         import torch.multiprocessing as mp
 
-        from trainer.megatron_patches import free_port
+        from trainer.distributed import free_port
 
         if not parity:
             raise ValueError("trainer.backend deepspeed trains the HF parity model: parity must be on")

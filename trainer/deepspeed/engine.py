@@ -1,7 +1,7 @@
-"""DeepSpeed around the HF parity model (trainer.hf_model): one data-parallel rank.
+"""DeepSpeed around the HF parity model (trainer.deepspeed.model): one data-parallel rank.
 
 - `init_distributed`: torch.distributed through DeepSpeed, gloo on the CPU, NCCL on GPUs; every
-  rank is its own process (Ray actors or torch.multiprocessing, see trainer.deepspeed_worker).
+  rank is its own process (Ray actors or torch.multiprocessing, see trainer.deepspeed.worker).
 - `deepspeed_config`: the DeepSpeed config kimi-rl runs: ZeRO stage from the settings (default
   2) or from a user's DeepSpeed JSON (by path), whose ZeRO / offload / communication sections
   are used as given. kimi-rl owns the batch bookkeeping (it drives gradient accumulation
@@ -154,7 +154,7 @@ def build_optimizer(groups: list[dict], settings: EngineSettings) -> torch.optim
 
 def register_external_weights(module: nn.Module) -> None:
     """ZeRO-3: the parity attention / MLP modules read their children's weights without
-    running the children (trainer.hf_model), so each weight is registered as an external
+    running the children (trainer.deepspeed.model), so each weight is registered as an external
     parameter of the module that reads it: ZeRO gathers it when that module starts.
 
     Not ZeRO-3 leaf modules: a leaf's gradients are reduced in a module backward hook, which
@@ -162,7 +162,7 @@ def register_external_weights(module: nn.Module) -> None:
     (HF's decoder layer calls its attention so), and then finds no gradients."""
     import deepspeed
 
-    from trainer.hf_model import FUSED_READERS, FUSED_RUN_AS_MODULES
+    from trainer.deepspeed.model import FUSED_READERS, FUSED_RUN_AS_MODULES
 
     for owner in module.modules():
         if isinstance(owner, FUSED_READERS):
@@ -248,8 +248,8 @@ def scoring_model(
     deepspeed`): the HF parity model, with `adapter` (peft tensors, rank, alpha, targets)
     attached through peft, inside a DeepSpeed engine of ZeRO stage `zero_stage` on this rank."""
     from parity.model_spec import load_spec
-    from trainer import hf_lora
-    from trainer.hf_model import load_hf_model
+    from trainer.deepspeed import lora as hf_lora
+    from trainer.deepspeed.model import load_hf_model
 
     model = load_hf_model(model_dir, dtype)
     if adapter is not None:

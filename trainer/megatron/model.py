@@ -28,15 +28,15 @@ from parity import kernels
 from parity.dtypes import torch_dtype
 from parity.model_spec import KimiSpec, ModelSpec, load_spec
 from parity.tp import padded_vocab
-from trainer.convert import hf_to_megatron, shard_megatron_state
-from trainer.layers import (
+from trainer.megatron.convert import hf_to_megatron, shard_megatron_state
+from trainer.megatron.layers import (
     ParityColumnParallelLinear,
     ParityCoreAttention,
     ParityRMSNorm,
     ParityRowParallelLinear,
     common_config,
 )
-from trainer.megatron_patches import cpu_current_device
+from trainer.megatron.patches import cpu_current_device
 
 
 def transformer_config(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 1) -> TransformerConfig:
@@ -146,7 +146,7 @@ def load_hf_weights(model: GPTModel, model_dir: str | Path, spec: ModelSpec | Ki
 def load_model(
     model_dir: str | Path, dtype: str = "fp32", parity: bool = True, tp_size: int = 1
 ) -> GPTModel:
-    """Megatron GPTModel with the checkpoint's weights (call trainer.megatron_patches.init_megatron first,
+    """Megatron GPTModel with the checkpoint's weights (call trainer.megatron.patches.init_megatron first,
     with the same tp_size; with tp_size > 1 each rank holds its shards, parity/tp.py).
 
     kimi-mini (trainer/kimi.py) exists only as the parity model: its mixers have no stock
@@ -155,7 +155,7 @@ def load_model(
     if isinstance(spec, KimiSpec):
         if not parity:
             raise ValueError("kimi-mini has no stock Megatron model: use parity=True")
-        from trainer.kimi import build_kimi_gpt
+        from trainer.megatron.kimi import build_kimi_gpt
 
         model = build_kimi_gpt(spec, torch_dtype(dtype), tp_size)  # raises unless tp_size == 1
     else:

@@ -38,14 +38,14 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from parity import kimi
 from parity.model_spec import KimiSpec
-from trainer.layers import (
+from trainer.megatron.layers import (
     ParityColumnParallelLinear,
     ParityRMSNorm,
     _FrozenPack,
     _LoRAMixin,
     common_config,
 )
-from trainer.megatron_patches import cpu_current_device
+from trainer.megatron.patches import cpu_current_device
 
 Parts = tuple[tuple[str, int], ...]
 
@@ -76,7 +76,7 @@ def kimi_transformer_config(spec: KimiSpec, dtype: torch.dtype) -> KimiTransform
 
 class KimiLinear(_FrozenPack, _LoRAMixin, torch.nn.Module):
     """A bias-free linear whose forward is `parity.kimi.adapted_linear`, plus adapter slots
-    (trainer.layers._LoRAMixin semantics: `lora` ModuleDict, `lora_active` slot name).
+    (trainer.megatron.layers._LoRAMixin semantics: `lora` ModuleDict, `lora_active` slot name).
 
     `hf_path` is the HF module path (fused expert linears: `...gate_up_proj`) and `parts` the
     (HF module path, out size) row blocks of the weight, as `parity.kimi.lora_linears` gives them.
@@ -359,7 +359,7 @@ def build_kimi_gpt(spec: KimiSpec, dtype: torch.dtype, tp_size: int = 1) -> GPTM
             max_sequence_length=spec.max_position_embeddings, position_embedding_type="none",
             share_embeddings_and_output_weights=spec.tie_word_embeddings, parallel_output=False,
         )
-    # As in trainer.model.build_gpt: the hard-coded output layer computes through kernels.linear.
+    # As in trainer.megatron.model.build_gpt: the hard-coded output layer computes through kernels.linear.
     model.output_layer.__class__ = ParityColumnParallelLinear
     model.kimi_spec = spec
     return model
@@ -445,7 +445,7 @@ def routing_trace(model: GPTModel, input_ids: torch.Tensor) -> list[dict[str, to
     {"layers.{i}.mlp.experts": int64 [S, k] (score order), "layers.{i}.self_attn.selected":
     int64 [S, topk] (as indexer_topk returns them: ascending, unused ranks 0)}. Rows past a
     sequence's end belong to padding; callers slice them off."""
-    from trainer.logprobs import forward_logits
+    from trainer.megatron.logprobs import forward_logits
 
     b, s = input_ids.shape
     with _tracing(model) as modules:

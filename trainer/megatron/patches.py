@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from trainer.distributed import free_port
+
 
 def needs_cuda_shim() -> bool:
     return not torch.cuda.is_available()
@@ -61,11 +63,3 @@ def init_megatron(tp_size: int = 1, seed: int = 0) -> None:
     else:
         mrandom.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,8 +1,9 @@
-"""The PPO / GRPO / RLOO step of trainer.policy on the deepspeed backend: the HF parity model
-(trainer.hf_model) with peft LoRA (trainer.hf_lora) or every weight trainable, inside a
-DeepSpeed engine (trainer.deepspeed_engine), on one of N data-parallel ranks.
+"""The PPO / GRPO / RLOO step (trainer.step) on the deepspeed backend: the HF parity model
+(trainer.deepspeed.model) with peft LoRA (trainer.deepspeed.lora) or every weight trainable, inside a
+DeepSpeed engine (trainer.deepspeed.engine), on one of N data-parallel ranks.
 
-The step itself (scoring, advantages, losses, minibatches) is PolicyTrainer's; what differs:
+The step itself (scoring, advantages, losses, minibatches) is trainer.step.PolicyStep's;
+what differs from the Megatron backend (trainer.megatron.policy):
 - Model: one nn.Module holds the policy, the frozen base (full fine-tune: reference and critic
   base) and the critic's value head, so that DeepSpeed owns every trainable tensor; its
   forward is called with a mode: policy logits, reference logits (adapters off / frozen copy),
@@ -30,11 +31,11 @@ from torch import Tensor, nn
 
 from parity import kernels, weights
 from parity.sampling import Sampling, processed_logits
-from trainer import hf_lora
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
-from trainer.deepspeed_engine import DeepSpeedModel, EngineSettings
-from trainer.hf_model import load_hf_model
-from trainer.policy import CRITIC_ADAPTER, PolicyTrainer, _chunks, _Micro
+from trainer.deepspeed import lora as hf_lora
+from trainer.deepspeed.engine import DeepSpeedModel, EngineSettings
+from trainer.deepspeed.model import load_hf_model
+from trainer.step import CRITIC_ADAPTER, Micro, PolicyStep, chunks
 
 _STEP_KEYS = ("ppo/grad_norm",)  # stats that are the same on every rank (not summed)
 
@@ -75,9 +76,9 @@ def _decoder(model: nn.Module) -> nn.Module:
     return base.model
 
 
-class DeepSpeedPolicyTrainer(PolicyTrainer):
-    """PolicyTrainer on the deepspeed backend (see the module docstring). torch.distributed
-    must be up (trainer.deepspeed_engine.init_distributed) on every rank first."""
+class DeepSpeedPolicyTrainer(PolicyStep):
+    """The PPO step on the deepspeed backend (see the module docstring). torch.distributed
+    must be up (trainer.deepspeed.engine.init_distributed) on every rank first."""
 
     def __init__(
         self,
@@ -109,7 +110,7 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             if self.lora_config.enabled:
                 model = frozen  # the same peft model, one slot more
             value_head = nn.Linear(self.spec.hidden_size, 1, dtype=torch.float32)
-            nn.init.zeros_(value_head.weight)  # V = 0 until the critic learns (as trainer.policy)
+            nn.init.zeros_(value_head.weight)  # V = 0 until the critic learns (as the Megatron backend)
             nn.init.zeros_(value_head.bias)
             critic = [p for _, p in hf_lora.adapter_parameters(frozen, CRITIC_ADAPTER)]
             critic += list(value_head.parameters())
@@ -152,31 +153,31 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
                              "only when algorithm.kl_coef > 0 or algorithm.name is ppo")
         return self._score("reference", sequences, starts, Sampling(temperature=self.sampling.temperature))
 
-    def _policy_forward(self, mb: _Micro) -> tuple[Tensor, Tensor]:
+    def _policy_forward(self, mb: Micro) -> tuple[Tensor, Tensor]:
         logits = processed_logits(self.engine("policy", mb.ids)[:, :-1], self.sampling)
         logp = kernels.token_logprobs(logits, mb.ids[:, 1:]).gather(1, mb.index)
         return logp, logits
 
-    def _critic_forward(self, mb: _Micro) -> Tensor:
+    def _critic_forward(self, mb: Micro) -> Tensor:
         return self.engine("critic", mb.ids).gather(1, mb.index)
 
     # --- training: this rank's share, DeepSpeed's step ---------------------------------------
 
     def _micro_batches(self, rows: list[int]) -> list[list[int]]:
         """This rank's micro-batches: every rank gets as many, none empty (ZeRO reduces inside
-        backward), and one rank alone runs exactly trainer.policy's micro-batches. When the
+        backward), and one rank alone runs exactly PolicyStep's micro-batches. When the
         rows cannot give every rank as many micro-batches of at most micro_batch_size (3 rows,
         size 1, 2 ranks), some get one row more."""
-        chunks = _chunks(rows, self.config.micro_batch_size)
+        parts = chunks(rows, self.config.micro_batch_size)
         n = self.world_size
-        if len(chunks) % n:
+        if len(parts) % n:
             # Rounded up to a multiple of the rank count, but no more micro-batches than rows
             # (the config check keeps ranks <= rows).
-            count = min(-(-len(chunks) // n) * n, len(rows) // n * n)
+            count = min(-(-len(parts) // n) * n, len(rows) // n * n)
             size, extra = divmod(len(rows), count)
             bounds = [i * size + min(i, extra) for i in range(count + 1)]
-            chunks = [rows[bounds[i] : bounds[i + 1]] for i in range(count)]
-        return chunks[self.rank :: n]
+            parts = [rows[bounds[i] : bounds[i + 1]] for i in range(count)]
+        return parts[self.rank :: n]
 
     def _backward(self, loss: Tensor, last: bool) -> None:
         # DeepSpeed averages gradients over the ranks; the minibatch's loss is their sum.

@@ -30,7 +30,7 @@ and the rollout's math (peft's own forward would compute the delta in the adapte
 Scope: whole right-padded sequences from position 0 (teacher-forced scoring and training);
 no KV cache, no generation (that runs in vLLM). The attention and MLP modules read their
 children's weights without running them (`FUSED_READERS`): under DeepSpeed ZeRO-3 those weights
-are registered as their external parameters (trainer.deepspeed_engine).
+are registered as their external parameters (trainer.deepspeed.engine).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _active_pairs(
     modules: dict[str, nn.Module], dtype: torch.dtype
 ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
     """(pairs of the active peft adapter by HF target, its scaling) over a fused linear's
-    parts; ({}, 0.0) without one. trainer.hf_lora checks adapters when it attaches them
+    parts; ({}, 0.0) without one. trainer.deepspeed.lora checks adapters when it attaches them
     (plain LoRA, no dropout, one scaling)."""
     pairs, scaling = {}, 0.0
     for name, m in modules.items():
@@ -182,7 +182,7 @@ class ParityMLP(nn.Module):
 
 
 # Modules that read their children's weights instead of running them (DeepSpeed ZeRO-3 must
-# gather those weights for them: trainer.deepspeed_engine.register_external_weights), and the
+# gather those weights for them: trainer.deepspeed.engine.register_external_weights), and the
 # children they do run as modules (which gather their own).
 FUSED_READERS = (ParityAttention, ParityMLP)
 FUSED_RUN_AS_MODULES = (ParityRMSNorm,)

@@ -64,7 +64,7 @@ POLICY_ADAPTER = "policy"
 
 
 class _LoRAMixin:
-    """Named adapters (trainer.lora.LoRAAdapter), at most one active; its delta is added.
+    """Named adapters (trainer.megatron.lora.LoRAAdapter), at most one active; its delta is added.
 
     `lora` is a ModuleDict of slot name -> adapter, registered once an adapter is attached;
     `lora_active` names the slot in use (None: the base alone). Several slots let the policy

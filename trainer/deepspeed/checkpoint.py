@@ -29,7 +29,7 @@ from trainer.checkpoint import (
     step_dir_name,
     write_exports,
 )
-from trainer.deepspeed_policy import DeepSpeedPolicyTrainer
+from trainer.deepspeed.policy import DeepSpeedPolicyTrainer
 
 ENGINE_DIR = "deepspeed"
 

@@ -1,6 +1,6 @@
-"""The trainer as a Ray actor: a PolicyTrainer (Megatron model + LoRA + optimizer) in its own
-process, with torch.distributed (gloo on the CPU, NCCL on GPUs) and Megatron's parallel state;
-`trainer_worker` picks the actor class of a backend (deepspeed: trainer.deepspeed_worker)."""
+"""The Megatron backend's trainer as a Ray actor: a PolicyTrainer (Megatron model + LoRA +
+optimizer) in its own process, with torch.distributed (gloo on the CPU, NCCL on GPUs) and
+Megatron's parallel state. Its calls are trainer.backend.TrainerWorker's."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ class TrainerWorker:
         trainer: TrainerConfig, algorithm: AlgorithmConfig, seed: int,
         sampling: Sampling | None = None, rank: int = 0, rendezvous: str | None = None,
     ) -> None:
-        from trainer.megatron_patches import init_megatron
-        from trainer.policy import PolicyTrainer
+        from trainer.megatron.patches import init_megatron
+        from trainer.megatron.policy import PolicyTrainer
 
         # megatron-core 0.16.1's TP gathers call torch's all_gather_into_tensor, which torch
         # 2.13 marks deprecated: one FutureWarning per call, in every step's log otherwise.
@@ -55,7 +55,7 @@ class TrainerWorker:
     def rollout_params(self) -> dict[str, torch.Tensor]:
         """Full weights (no LoRA) under the rollout parity model's parameter names, in the
         fused layouts both sides hold: a full-weight sync copies them without repacking."""
-        from trainer.convert import megatron_to_rollout
+        from trainer.megatron.convert import megatron_to_rollout
 
         state = {k: v.detach() for k, v in self.policy.model.state_dict().items() if torch.is_tensor(v)}
         return {k: v.contiguous() for k, v in megatron_to_rollout(state, self.policy.spec).items()}
@@ -64,7 +64,7 @@ class TrainerWorker:
         """Full HF weights with the adapter merged in (W + scaling * B @ A, in fp32, then cast):
         what a stock vLLM engine gets when parity is off — the usual way frameworks hand a
         LoRA policy to vLLM, and one of the sources of the mismatch parity removes."""
-        from trainer.convert import megatron_to_hf
+        from trainer.megatron.convert import megatron_to_hf
 
         model = self.policy.model
         dtype = model.embedding.word_embeddings.weight.dtype
@@ -149,13 +149,3 @@ def guarded_train_step(policy, batch: dict, old_logprobs: list[torch.Tensor] | N
         return {"stats": stats, "skipped": f"non-finite {', '.join(bad)}"}
     return {"stats": stats, "skipped": None}
 
-
-def trainer_worker(backend: str) -> type:
-    """The actor class of `trainer.backend` (both offer the calls the loop makes)."""
-    if backend == "deepspeed":
-        from trainer.deepspeed_worker import DeepSpeedTrainerWorker
-
-        return DeepSpeedTrainerWorker
-    if backend != "megatron":
-        raise ValueError(f"trainer.backend must be megatron or deepspeed, got {backend!r}")
-    return TrainerWorker
