@@ -44,8 +44,8 @@ def _engine(model_dir: str, dtype: str, **kwargs):
 def _redraw(model_dir: str, dtype: str, completions, keys: list[int]):
     """From the trainer's logits: (processed log-probs of the sampled tokens, the tokens
     sample_tokens draws at each position) per completion."""
-    from trainer.logprobs import forward_logits
-    from trainer.model import load_model
+    from trainer.megatron.logprobs import forward_logits
+    from trainer.megatron.model import load_model
 
     model = load_model(model_dir, dtype).eval()
     out = []
