@@ -270,14 +270,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def rope_table(head_dim: int, base: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin tables [max_positions, head_dim // 2].
+    """fp32 cos/sin tables [max_positions, head_dim // 2] (compiled, parity/csrc/rope.cpp).
 
-    Invariant because: the table's shape is fixed by the model config, so both engines build
-    the same bits once and then only index it by position. Always built on the CPU, whatever
-    the ambient `torch.device(...)` context: vLLM constructs its model under a CUDA device
-    context and Megatron on the CPU, and a GPU's cos/sin differ from the CPU's in thousands of
-    entries (the H200 parity mismatch). Callers move the table where they compute.
+    The usual table (inv_freq = 1 / base^(2j / head_dim), angle = position * inv_freq in fp32),
+    with pow, cos and sin our own double-precision code rounded once to fp32: an entry's bits
+    are a function of (position, j, head_dim, base) alone, on every ISA code path. (torch's
+    pow / cos / sin, which this replaces, change bits with ATEN_CPU_CAPABILITY.) Both engines
+    build it once and then only index it by position. Always built on the CPU, whatever the
+    ambient `torch.device(...)` context: vLLM constructs its model under a CUDA device context
+    and Megatron on the CPU, and a GPU's cos/sin differ from the CPU's in thousands of entries
+    (the H200 parity mismatch). Callers move the table where they compute.
+    KIMI_RL_INVARIANT_KERNELS=0 builds it with torch's ops (`_rope_table_reference`).
     """
+    if not INVARIANT:
+        return _rope_table_reference(head_dim, base, max_positions)
+    return tuple(native.ops().rope_table(head_dim, float(base), max_positions))
+
+
+def _rope_table_reference(head_dim: int, base: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     cpu = torch.device("cpu")
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
     inv_freq = 1.0 / (base**exponent)

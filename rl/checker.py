@@ -319,7 +319,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
     context = _check_prompt_lengths(args, spec, prompts)
 
     t0 = time.perf_counter()
-    samples = sample_in_vllm(args, spec, prompts, context, adapter, console)
+    samples, rollout_kernels = sample_in_vllm(args, spec, prompts, context, adapter, console)
     rollout_seconds = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -328,7 +328,8 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
     train_seconds = time.perf_counter() - t1
 
     seconds = {"rollout": round(rollout_seconds, 2), "train": round(train_seconds, 2)}
-    return CheckResult(build_report(args, samples, completions, train_logprobs, seconds),
+    kernels = {"rollout": rollout_kernels, "trainer": kernel_info()}
+    return CheckResult(build_report(args, samples, completions, train_logprobs, seconds, kernels),
                        completions, train_logprobs)
 
 
@@ -346,9 +347,12 @@ def _check_prompt_lengths(args: CheckArgs, spec, prompts: list[list[int]]) -> in
     return too_long
 
 
-def sample_in_vllm(args: CheckArgs, spec, prompts: list[list[int]], context: int, adapter, console) -> dict[int, list]:
-    """{batch size: completions}: every prompt batch of every batch size sampled by one vLLM
-    engine (closed on return)."""
+def sample_in_vllm(
+    args: CheckArgs, spec, prompts: list[list[int]], context: int, adapter, console
+) -> tuple[dict[int, list], dict]:
+    """({batch size: completions}, the engine's kernel_info): every prompt batch of every batch
+    size sampled by one vLLM engine (closed on return). Prompt i samples under the key of
+    (--seed, step 0, prompt i), whatever batch it is in: the same tokens at every batch size."""
     from rich.progress import Progress
 
     from rollout.engine import RolloutEngine
@@ -377,7 +381,7 @@ def sample_in_vllm(args: CheckArgs, spec, prompts: list[list[int]], context: int
                                     sampling=args.sampling, keys=[request_key(args.seed, 0, i, 0) for i in idx])
                 )
                 progress.advance(task)
-    return samples
+    return samples, rollout_kernels
 
 
 def rescore(
@@ -408,8 +412,10 @@ def rescore_with_progress(args: CheckArgs, completions: list, adapter, console) 
 
 
 def build_report(args: CheckArgs, samples: dict[int, list], completions: list,
-                 train_logprobs: list[torch.Tensor], seconds: dict[str, float]) -> dict:
-    """What report.json holds: the settings, the comparison over all tokens and per batch size."""
+                 train_logprobs: list[torch.Tensor], seconds: dict[str, float], kernels: dict) -> dict:
+    """What report.json holds: the settings, each side's kernels (ISA code path, whether the
+    invariant kernels are on: parity.kernels.kernel_info), the comparison over all tokens and
+    per batch size. The trainer side's is this process's, whose environment its ranks inherit."""
     per_bs, offset = {}, 0
     for bs in args.batch_sizes:
         n = len(samples[bs])
@@ -433,7 +439,7 @@ def build_report(args: CheckArgs, samples: dict[int, list], completions: list,
         "adapter": str(args.adapter) if args.adapter else None,
         "sampling": dataclasses.asdict(args.sampling),
         "trainer": args.trainer,
-        "kernels": {"rollout": rollout_kernels, "trainer": kernel_info()},
+        "kernels": kernels,
         **total.to_dict(),
         "passed": total.all_equal,
         "per_batch_size": per_bs,
