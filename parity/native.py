@@ -85,6 +85,13 @@ def _check_isa(name: str, source: str) -> None:
         raise ValueError(f"{source} must be one of {', '.join(ISAS)}, got {name!r}")
 
 
+def check_isa_environment() -> None:
+    """A one-line ValueError when KIMI_RL_ISA names no code path, or one this CPU cannot run
+    (builds the library to ask it); nothing when it is unset. For a CLI to call up front."""
+    if os.environ.get("KIMI_RL_ISA"):
+        ops()
+
+
 def isa() -> str:
     """The code path the compiled kernels run in this process: avx512, avx2 or scalar."""
     return ops().isa()

@@ -5,6 +5,10 @@ position, log-probs). Equality is torch.equal."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -272,3 +276,43 @@ def test_gradient_flows_through_kept_logits_only():
 def test_bad_sampling_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**kwargs)
+
+
+def test_the_isa_switch_changes_the_path_not_the_bits():
+    """native.set_isa moves every compiled kernel of the process to another path (and exports
+    KIMI_RL_ISA to children); kernel_info reports it; the bits stay."""
+    x = _logits(6, 4, 4096) / 0.7
+    keys, positions = [request_key(0, 0, i, 0) for i in range(4)], [0, 1, 2, 3]
+    before = native.isa()
+    want = (kernels.log_softmax(x), processed_logprobs(x, Sampling(0.7, 0.9, 40)),
+            kernels.rope_table.__wrapped__(64, 1e4, 512))
+    tokens = sample_tokens(want[1], keys, positions)
+    try:
+        for isa in native.cpu_isas():
+            native.set_isa(isa)
+            assert native.isa() == isa and kernels.kernel_info()["isa"] == isa
+            got = (kernels.log_softmax(x), processed_logprobs(x, Sampling(0.7, 0.9, 40)),
+                   kernels.rope_table.__wrapped__(64, 1e4, 512))
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), isa
+            assert all(torch.equal(a, b) for a, b in zip(got[2], want[2], strict=True)), isa
+            assert torch.equal(sample_tokens(got[1], keys, positions), tokens), isa
+    finally:
+        native.set_isa(before)
+    with pytest.raises(ValueError, match="isa must be one of avx512, avx2, scalar, got 'sse'"):
+        native.set_isa("sse")
+
+
+@pytest.mark.parametrize("value", ["avx3", "AVX2"])
+def test_a_bad_kimi_rl_isa_is_one_line(value):
+    """The CLI ends on a bad KIMI_RL_ISA before it starts anything, in one line (exit 2); a
+    process pinned to a good one runs there."""
+    env = {**os.environ, "KIMI_RL_ISA": value}
+    bad = subprocess.run([sys.executable, "-m", "rl.cli", "parity", "check", "--model", "none"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == (
+        f"kimi-rl: error: KIMI_RL_ISA must be one of avx512, avx2, scalar, got '{value}'")
+    env["KIMI_RL_ISA"] = "scalar"
+    good = subprocess.run([sys.executable, "-c", "from parity import native; print(native.isa())"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert good.stdout.strip() == "scalar", good.stderr
