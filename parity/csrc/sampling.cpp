@@ -117,25 +117,44 @@ KP_INLINE void kept_row(const float* x, bool* kept, int64_t n, int64_t k, float 
   for (int64_t t = j; t < size; ++t) kept[order[t]] = false;  // everything after the cut
 }
 
-KP_INLINE int64_t sample_row(const float* lp, int64_t n, uint64_t key, uint64_t position) {
+// The Gumbel scores of one chunk of a row (elements base .. base + len, base a multiple of 4):
+// the Philox words of its blocks, then lp_i - log(-log(u_i)) for every element (dropped ones
+// too: their score is -inf), in plain loops the compiler vectorises on each path; the same
+// per-element steps whatever the width.
+constexpr int64_t kChunk = 1024;
+
+KP_INLINE void chunk_scores(const float* lp, int64_t base, int64_t len, uint32_t k0, uint32_t k1,
+                            uint64_t position, uint32_t* w, float* score) {
+  const int64_t blocks = (len + 3) / 4;
+  const uint32_t pos_lo = static_cast<uint32_t>(position), pos_hi = static_cast<uint32_t>(position >> 32);
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint32_t c[4] = {static_cast<uint32_t>(base / 4 + b), pos_lo, pos_hi, 0u};
+    philox4x32_10(c, k0, k1);
+    for (int l = 0; l < 4; ++l) w[4 * b + l] = c[l];
+  }
+  for (int64_t i = 0; i < len; ++i) {
+    // (2m + 1) 2^-24 with m < 2^23: exact in fp32, in [2^-24, 1 - 2^-24].
+    const float u = static_cast<float>(2 * (w[i] >> 9) + 1) * 5.9604644775390625e-8f;
+    const float v = lp[base + i];
+    const float g = v - log_fixed(-log_fixed(u));  // lp + Gumbel noise
+    score[i] = v > kNegInf ? g : kNegInf;          // dropped (-inf) or NaN: never sampled
+  }
+}
+
+// w: kChunk words, score: kChunk floats of scratch.
+KP_INLINE int64_t sample_row(const float* lp, int64_t n, uint64_t key, uint64_t position, uint32_t* w,
+                             float* score) {
   const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
   float best = kNegInf;
   int64_t token = -1;
-  for (int64_t base = 0; base < n; base += 4) {
-    uint32_t w[4] = {static_cast<uint32_t>(base / 4), static_cast<uint32_t>(position),
-                     static_cast<uint32_t>(position >> 32), 0u};
-    philox4x32_10(w, k0, k1);
-    for (int l = 0; l < 4 && base + l < n; ++l) {
-      const float v = lp[base + l];
-      if (!(v > kNegInf)) continue;  // dropped (-inf) or NaN: never sampled
-      // (2m + 1) 2^-24 with m < 2^23: exact in fp32, in [2^-24, 1 - 2^-24].
-      const float u = static_cast<float>(2 * (w[l] >> 9) + 1) * 5.9604644775390625e-8f;
-      const float score = v - log_fixed(-log_fixed(u));  // lp + Gumbel noise
-      if (score > best) {  // strict: the lowest id wins a tie
-        best = score;
-        token = base + l;
+  for (int64_t base = 0; base < n; base += kChunk) {
+    const int64_t len = std::min(kChunk, n - base);
+    chunk_scores(lp, base, len, k0, k1, position, w, score);
+    for (int64_t i = 0; i < len; ++i)
+      if (score[i] > best) {  // strict: the lowest id wins a tie; -inf never wins
+        best = score[i];
+        token = base + i;
       }
-    }
   }
   return token;
 }
@@ -160,8 +179,9 @@ KP_ISA_LOOPS(kept_rows,
 KP_ISA_LOOPS(sample_rows,
              (const float* lp, int64_t* out, int64_t rows, int64_t n, const int64_t* keys,
               const int64_t* positions),
+             uint32_t w[kChunk]; float score[kChunk];
              for (int64_t r = 0; r < rows; ++r) out[r] = sample_row(
-                 lp + r * n, n, static_cast<uint64_t>(keys[r]), static_cast<uint64_t>(positions[r])))
+                 lp + r * n, n, static_cast<uint64_t>(keys[r]), static_cast<uint64_t>(positions[r]), w, score))
 
 template <typename Fn>
 Fn pick(const std::string& isa, Fn avx512, Fn avx2, Fn scalar) {
