@@ -12,9 +12,10 @@ the caller's process (what a Ray actor that owns the engine wants: weight and ad
 hand tensors over by reference).
 In-process, vLLM also: joins (or initialises) torch.distributed's default group in this process
 (a world of one; `close` leaves the group alive), reseeds torch's global RNG at start-up, and
-caches its environment variables (undone after start-up, see below). On the CPU, tokens are
-sampled by parity.sampling (rollout/sampler.py, installed through rollout/vllm_patches.py):
-a pure function of each request's key, the token's position and its logits, never of an RNG.
+caches its environment variables (undone after start-up, see below). On the CPU, a parity
+engine samples with parity.sampling (rollout/sampler.py, installed through
+rollout/vllm_patches.py): each token a pure function of its request's key, its position and its
+logits, never of an RNG; a stock engine (parity off) keeps vLLM's sampler and its global RNG.
 
 Weight sync. `set_adapter` / `clear_adapter` (parity models) and `update_weights` change the
 running engine's model in place between `generate` calls (nothing computed with the old weights
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from parity import model_spec, weights
+from parity import kernels, model_spec, weights
 from parity.dtypes import dtype_string, torch_dtype
 from parity.model_spec import KimiSpec, load_spec
 from parity.sampling import Sampling, request_key
@@ -289,8 +290,10 @@ class RolloutEngine:
                 logprobs_mode="processed_logprobs",
                 **kwargs,
             )
-        # Every worker samples with parity.sampling from here on (rollout/vllm_patches.py).
-        self.parity_sampler = bool(self._rpc("kimi_rl_install_sampler"))
+        # A parity engine's workers sample with parity.sampling from here on (rollout/
+        # vllm_patches.py, patch 5). Parity off, or KIMI_RL_INVARIANT_KERNELS=0, is stock vLLM:
+        # its own sampler, drawing from the worker's global generator.
+        self.parity_sampler = parity and kernels.INVARIANT and bool(self._rpc("kimi_rl_install_sampler"))
         self.seed = seed
         if not multiprocess:
             # The in-process EngineCore froze vLLM's view of the environment,
@@ -354,8 +357,8 @@ class RolloutEngine:
         return completions
 
     def reseed(self, seed: int) -> None:
-        """The seed of `generate`'s default keys from now on. vLLM's own sampler (a CUDA
-        engine) draws from the worker's global torch RNG instead: that is restarted too."""
+        """The seed of `generate`'s default keys from now on. vLLM's own sampler (a CUDA or
+        a stock engine) draws from the worker's global torch RNG instead: that is restarted too."""
         self.seed = int(seed)
         self._rpc("kimi_rl_reseed", int(seed))
 

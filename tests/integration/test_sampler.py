@@ -81,6 +81,10 @@ def _check(model_dir: Path, prompt_file, seed: int, rollout_tp: int = 1):
     )
     result = run_check(args)
     assert result.report["passed"]
+    kernels = result.report["kernels"]  # report.json records what computed on each side
+    assert kernels["rollout"]["isa"] == kernels["trainer"]["isa"] == native.isa()
+    assert kernels["rollout"]["invariant_kernels"] is kernels["trainer"]["invariant_kernels"] is True
+    assert kernels["rollout"]["sampler"] == "ParitySampler"
     return [c.token_ids for c in result.completions]
 
 
