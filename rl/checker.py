@@ -319,7 +319,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
     context = _check_prompt_lengths(args, spec, prompts)
 
     t0 = time.perf_counter()
-    samples, rollout_kernels = sample_in_vllm(args, spec, prompts, context, adapter, console)
+    samples, rollout = sample_in_vllm(args, spec, prompts, context, adapter, console)
     rollout_seconds = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -328,8 +328,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
     train_seconds = time.perf_counter() - t1
 
     seconds = {"rollout": round(rollout_seconds, 2), "train": round(train_seconds, 2)}
-    kernels = {"rollout": rollout_kernels, "trainer": kernel_info()}
-    return CheckResult(build_report(args, samples, completions, train_logprobs, seconds, kernels),
+    return CheckResult(build_report(args, samples, completions, train_logprobs, seconds, rollout),
                        completions, train_logprobs)
 
 
@@ -350,9 +349,10 @@ def _check_prompt_lengths(args: CheckArgs, spec, prompts: list[list[int]]) -> in
 def sample_in_vllm(
     args: CheckArgs, spec, prompts: list[list[int]], context: int, adapter, console
 ) -> tuple[dict[int, list], dict]:
-    """({batch size: completions}, the engine's kernel_info): every prompt batch of every batch
-    size sampled by one vLLM engine (closed on return). Prompt i samples under the key of
-    (--seed, step 0, prompt i), whatever batch it is in: the same tokens at every batch size."""
+    """({batch size: completions}, {"kernels": the engine's kernel_info, "prefix_cache": on and
+    its hits}): every prompt batch of every batch size sampled by one vLLM engine (closed on
+    return). Prompt i samples under the key of (--seed, step 0, prompt i), whatever batch it is
+    in: the same tokens at every batch size (the later batch sizes hit the prefix cache)."""
     from rich.progress import Progress
 
     from rollout.engine import RolloutEngine
@@ -372,7 +372,7 @@ def sample_in_vllm(
                 tensors, lora_rank, alpha, _ = adapter
                 # The trainer computes with its fp32 masters cast to the model dtype: send that.
                 engine.set_adapter({k: v.to(torch_dtype(args.dtype)) for k, v in tensors.items()}, alpha / lora_rank)
-            rollout_kernels = engine.kernel_info()
+            kernels = engine.kernel_info()
             plan = [(bs, idx) for bs in args.batch_sizes for idx in batches_for(len(prompts), bs)]
             progress.update(task, description="sampling in vLLM", total=len(plan), completed=0)
             for bs, idx in plan:
@@ -381,7 +381,8 @@ def sample_in_vllm(
                                     sampling=args.sampling, keys=[request_key(args.seed, 0, i, 0) for i in idx])
                 )
                 progress.advance(task)
-    return samples, rollout_kernels
+    cache = {"on": engine.prefix_caching, "hit_tokens": engine.prefix_hits}
+    return samples, {"kernels": kernels, "prefix_cache": cache}
 
 
 def rescore(
@@ -412,10 +413,11 @@ def rescore_with_progress(args: CheckArgs, completions: list, adapter, console) 
 
 
 def build_report(args: CheckArgs, samples: dict[int, list], completions: list,
-                 train_logprobs: list[torch.Tensor], seconds: dict[str, float], kernels: dict) -> dict:
+                 train_logprobs: list[torch.Tensor], seconds: dict[str, float], rollout: dict) -> dict:
     """What report.json holds: the settings, each side's kernels (ISA code path, whether the
-    invariant kernels are on: parity.kernels.kernel_info), the comparison over all tokens and
-    per batch size. The trainer side's is this process's, whose environment its ranks inherit."""
+    invariant kernels are on: parity.kernels.kernel_info; the trainer's are this process's,
+    whose environment its ranks inherit), the rollout's prefix-cache hits, the comparison over
+    all tokens and per batch size."""
     per_bs, offset = {}, 0
     for bs in args.batch_sizes:
         n = len(samples[bs])
@@ -439,7 +441,8 @@ def build_report(args: CheckArgs, samples: dict[int, list], completions: list,
         "adapter": str(args.adapter) if args.adapter else None,
         "sampling": dataclasses.asdict(args.sampling),
         "trainer": args.trainer,
-        "kernels": kernels,
+        "kernels": {"rollout": rollout["kernels"], "trainer": kernel_info()},
+        "prefix_cache": rollout["prefix_cache"],
         **total.to_dict(),
         "passed": total.all_equal,
         "per_batch_size": per_bs,

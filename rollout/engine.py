@@ -17,9 +17,16 @@ engine samples with parity.sampling (rollout/sampler.py, installed through
 rollout/vllm_patches.py): each token a pure function of its request's key, its position and its
 logits, never of an RNG; a stock engine (parity off) keeps vLLM's sampler and its global RNG.
 
+Prefix caching is on for parity Llama / Qwen3 engines on the CPU (`prefix_caching`; a GPU
+engine keeps it off until it is tested there): a cached prompt
+block's keys and values are the bits the same tokens would get computed again (every kernel
+gives a row the same bits in any batch, and attention walks the same 64-key blocks from
+position 0), so a warm cache changes no log-prob. `prefix_hits` counts the prompt tokens
+taken from the cache. kimi-mini keeps it off (KDA's recurrent state is not in the paged cache).
+
 Weight sync. `set_adapter` / `clear_adapter` (parity models) and `update_weights` change the
-running engine's model in place between `generate` calls (nothing computed with the old weights
-is reused: prefix caching is off); `adapter_checksums` and `weight_checksums` hash what the
+running engine's model in place between `generate` calls, and empty the prefix cache (nothing
+computed with the old weights is reused); `adapter_checksums` and `weight_checksums` hash what the
 model holds, for the caller to compare with what it sent. They run on the worker through
 `LLM.collective_rpc` with the methods of `ParityWorkerExtension`.
 """
@@ -57,6 +64,8 @@ class Completion:
     # float32 [len(token_ids)]: vLLM's log-prob of each sampled token under the distribution it
     # was sampled from (processed: temperature, top-k / top-p; the raw log-softmax without them)
     rollout_logprobs: torch.Tensor
+    # Prompt tokens whose KV vLLM took from its prefix cache instead of computing them.
+    cached_tokens: int = 0
 
 
 def parity_architecture(model_dir: str | Path) -> str:
@@ -213,6 +222,7 @@ class RolloutEngine:
         enforce_eager: bool = True,
         multiprocess: bool = True,
         tensor_parallel_size: int = 1,
+        prefix_caching: bool | None = None,
     ) -> None:
         torch_dtype(dtype)  # ValueError for an unknown name, before anything starts
         self.model_dir = str(model_dir)
@@ -220,6 +230,12 @@ class RolloutEngine:
         self.parity = parity
         self.multiprocess = multiprocess
         self.spec = load_spec(self.model_dir) if parity else None
+        if prefix_caching is None:  # on where it is tested bitwise (see the module docstring)
+            from vllm.platforms import current_platform
+
+            prefix_caching = parity and not isinstance(self.spec, KimiSpec) and current_platform.is_cpu()
+        self.prefix_caching = prefix_caching
+        self.prefix_hits = 0
         # Small KV cache and both cores, unless the user chose otherwise.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -280,7 +296,7 @@ class RolloutEngine:
                 max_num_seqs=max_num_seqs,
                 enforce_eager=enforce_eager,
                 enable_chunked_prefill=True,
-                enable_prefix_caching=False,
+                enable_prefix_caching=prefix_caching,
                 skip_tokenizer_init=not has_tokenizer,
                 worker_extension_cls=_WORKER_EXTENSION,
                 tensor_parallel_size=tensor_parallel_size,
@@ -352,8 +368,10 @@ class RolloutEngine:
                     prompt_ids=list(prompt),
                     token_ids=token_ids,
                     rollout_logprobs=torch.tensor(logprobs, dtype=torch.float64).to(torch.float32),
+                    cached_tokens=out.num_cached_tokens or 0,
                 )
             )
+        self.prefix_hits += sum(c.cached_tokens for c in completions)
         return completions
 
     def reseed(self, seed: int) -> None:
@@ -400,6 +418,11 @@ class RolloutEngine:
 
         return save({k: v.detach().contiguous() for k, v in tensors.items()})
 
+    def _reset_prefix_cache(self) -> None:
+        # After a weight or adapter change: cached KV was computed with the old model.
+        if self.prefix_caching and not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not empty its prefix cache after a weight sync")
+
     def _require_parity(self, what: str) -> None:
         if not self.parity:
             raise ValueError(
@@ -416,6 +439,7 @@ class RolloutEngine:
         # nothing that would be refused.
         check_adapter(self.spec, self.dtype, tensors, scaling)
         self._rpc("kimi_rl_set_adapter", self._pack(tensors), float(scaling))
+        self._reset_prefix_cache()
 
     def set_adapter_packed(self, flat, index, scaling: float) -> None:
         """set_adapter from the sync wire format (parity.wire.pack_tensors): one flat buffer
@@ -435,11 +459,13 @@ class RolloutEngine:
         if self.multiprocess:  # vLLM's IPC carries bytes, not arrays
             flat = bytes(memoryview(flat)) if not isinstance(flat, bytes) else flat
         self._rpc("kimi_rl_set_adapter_packed", flat, index, float(scaling))
+        self._reset_prefix_cache()
 
     def clear_adapter(self) -> None:
         """Back to the base model, bitwise."""
         self._require_parity("clear_adapter")
         self._rpc("kimi_rl_clear_adapter")
+        self._reset_prefix_cache()
 
     def adapter_checksums(self) -> dict[str, str]:
         """{peft name: tensor_checksum (XXH3-128 hex) of the tensor's bytes as the rollout model holds it}."""
@@ -453,6 +479,7 @@ class RolloutEngine:
         if self.parity:
             weights.check_hf_weights(self.spec, named)
         self._rpc("kimi_rl_update_weights", self._pack(named))
+        self._reset_prefix_cache()
 
     def update_params_packed(self, flat, index) -> None:
         """Full-weight sync of a parity engine from the wire format (parity.wire), by the
@@ -461,6 +488,7 @@ class RolloutEngine:
         if self.multiprocess:  # vLLM's IPC carries bytes, not arrays
             flat = bytes(memoryview(flat)) if not isinstance(flat, bytes) else flat
         self._rpc("kimi_rl_update_params_packed", flat, tuple(index))
+        self._reset_prefix_cache()
 
     def param_checksums(self) -> dict[str, str]:
         """{rollout parameter name: tensor_checksum hex}, the names update_params_packed takes."""

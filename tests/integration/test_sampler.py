@@ -5,7 +5,8 @@
   the request's key and the token's position (vLLM's sampler would draw others);
 - the same check with the same seed samples the same tokens for every sequence, run after run
   and at batch sizes 1, 8 and 32 (and with rollout TP 2);
-- the rollout on one ISA code path and the trainer on another give bitwise-equal log-probs.
+- the rollout on one ISA code path and the trainer on another give bitwise-equal log-probs;
+- report.json says which path and kernels each side ran, and counts prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def _check(model_dir: Path, prompt_file, seed: int, rollout_tp: int = 1):
     assert kernels["rollout"]["isa"] == kernels["trainer"]["isa"] == native.isa()
     assert kernels["rollout"]["invariant_kernels"] is kernels["trainer"]["invariant_kernels"] is True
     assert kernels["rollout"]["sampler"] == "ParitySampler"
+    # Batch sizes 8 and 32 resample the prompts of batch size 1: the 130-token one hits.
+    assert result.report["prefix_cache"]["on"] and result.report["prefix_cache"]["hit_tokens"] > 0
     return [c.token_ids for c in result.completions]
 
 
