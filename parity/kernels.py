@@ -39,7 +39,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from parity import native, tp
+from parity import native
 from parity.autograd import InvariantBmm, InvariantLinear, RecomputeAttention, RecomputeGrad
 
 # Keys per attention block. Queries visit blocks 0..t//KV_BLOCK in order.
@@ -159,8 +159,8 @@ def linear(
     """
     if not INVARIANT and not x.is_cuda:
         return F.linear(x, weight, bias)
-    if x.is_cuda and k_splits == 1:
-        return _cuda().linear(x, weight, bias)
+    if x.is_cuda:
+        return _cuda().linear(x, weight, bias, k_splits)
     forward = functools.partial(_linear_fixed_order, k_splits=k_splits, packed=packed)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         out = InvariantLinear.apply(x, weight, forward)
@@ -180,12 +180,8 @@ def linear_partials(
     if x.dtype != weight.dtype:
         raise TypeError(f"linear: input is {x.dtype} but weight is {weight.dtype}")
     rows = x.detach().reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    if x.is_cuda:  # fp32 operands (bf16 widened exactly): the partials are never rounded
-        w, k = weight.detach().float(), x.shape[-1] // k_splits
-        parts = torch.stack([
-            _cuda().linear_forward(rows[:, s * k : (s + 1) * k].float(), w[:, s * k : (s + 1) * k])
-            for s in range(k_splits)
-        ])
+    if x.is_cuda:  # model-dtype operands on tensor cores, fp32 partials (never rounded)
+        parts = _cuda().linear_forward(rows, weight.detach(), k_splits=k_splits, partials=True)
     else:
         if packed is None:
             packed = native.ops().pack(weight.detach())
@@ -198,8 +194,6 @@ def _linear_fixed_order(
 ) -> torch.Tensor:
     if x.dtype != weight.dtype:
         raise TypeError(f"linear: input is {x.dtype} but weight is {weight.dtype}")
-    if x.is_cuda:
-        return tp.rank_ordered_sum(linear_partials(x, weight, k_splits), x.dtype)
     # Rows counted explicitly: reshape(-1, 0) is ambiguous for K = 0 (a zero-width expert).
     rows = x.detach().reshape(math.prod(x.shape[:-1]), x.shape[-1])
     # Without a caller's pack: packed here, on every call (O(N K), against the product's

@@ -194,6 +194,9 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
     adapter = Path(ns.adapter) if getattr(ns, "adapter", None) else None
     if adapter is not None:
         _check_adapter_fits(ns, model, adapter)
+    if adapter is not None and getattr(ns, "cuda_graphs", "off") == "on" and _has_cuda():
+        raise UserError("--adapter needs --cuda-graphs off on CUDA: vLLM captures its graphs at start,"
+                        " before the adapter is set, and would replay them without it")
     if ns.parity == "off":
         _check_stock_engine(model)
     trainer = getattr(ns, "trainer", "megatron")
@@ -211,6 +214,12 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         adapter=adapter, sampling=_sampling(ns), cuda_graphs=getattr(ns, "cuda_graphs", "off") == "on",
         trainer=trainer, zero_stage=getattr(ns, "zero_stage", 2),
     )
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _tp_sizes(ns: argparse.Namespace, model: Path) -> tuple[int, int]:

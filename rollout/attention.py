@@ -21,6 +21,15 @@ cache in place as its walk reaches it (no per-step copy of the contexts): prefil
 chunked prefill (a later chunk reads the earlier chunks' keys from the cache) and mixed batches
 are the same code path. Tokens beyond the scheduled ones (padding) are not attended and get a zero
 output.
+
+On CUDA the same math runs without any host work per layer or per step beyond one small copy:
+`build` turns the host copy of query_start_loc into the kernel's tile list (request, first query;
+`parity.cuda.paged_tile_plan`) and copies it into a persistent device buffer (unused rows
+-1); the kernel finds each tile's rows, positions and keys itself from vLLM's persistent device
+buffers (query_start_loc, seq_lens, block table) and reads the cache in place, and the KV cache
+is written by a Triton store that skips padding slots. Every launch then reads only buffers whose
+addresses never change, so vLLM can capture uniform decode steps as full CUDA graphs
+(`_cudagraph_support`); replay computes what the eager step computes, bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import ClassVar
 
 import torch
 from vllm.v1.attention.backend import (
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -50,22 +60,37 @@ class ParityAttentionMetadata:
     num_actual_tokens: int  # as vLLM reports it (may include padding)
     num_query_tokens: int  # scheduled tokens: query_start_loc[num_reqs]
     num_reqs: int
-    query_start_loc: torch.Tensor  # [num_reqs + 1]
-    seq_lens: torch.Tensor  # [num_reqs]
+    query_start_loc: torch.Tensor  # [num_reqs + 1] (CUDA: vLLM's device buffer)
+    seq_lens: torch.Tensor  # [num_reqs] (CUDA: vLLM's device buffer)
     block_table: torch.Tensor  # [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # [num_tokens]
-    q_seq: torch.Tensor  # [num_query_tokens] int64, request index of each query
-    q_pos: torch.Tensor  # [num_query_tokens] int64, absolute position of each query
-    ctx_slots: torch.Tensor  # [num_reqs, L] int64, cache slot of positions 0..L-1 (0 past the end)
     block_size: int
+    # CPU: the per-query view of the step
+    q_seq: torch.Tensor | None = None  # [num_query_tokens] int64, request index of each query
+    q_pos: torch.Tensor | None = None  # [num_query_tokens] int64, absolute position of each query
+    ctx_slots: torch.Tensor | None = None  # [num_reqs, L] int64, slot of positions 0..L-1 (0 past the end)
+    # CUDA: the kernel's tiles, a view of the builder's persistent buffer
+    tiles: torch.Tensor | None = None  # [T, 2] int32 (request, first query), -1 rows unused
 
 
 class ParityAttentionMetadataBuilder(AttentionMetadataBuilder[ParityAttentionMetadata]):
     reorder_batch_threshold: ClassVar[int | None] = None
+    # CUDA: a uniform decode step's launches read persistent buffers only (see the module doc).
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        self.tiles = None
+        if torch.device(device).type == "cuda":
+            from parity import cuda
+
+            self.block_q = cuda.attention_config(kv_cache_spec.head_size, kv_cache_spec.dtype).block_q
+            sched = vllm_config.scheduler_config
+            # Each request has at least one query: tiles <= requests + tokens / block_q.
+            capacity = sched.max_num_seqs + -(-sched.max_num_batched_tokens // self.block_q) + 1
+            self.tiles = torch.full((capacity, 2), -1, dtype=torch.int32, device=device)
+            self.tiles_used = 0
 
     def build(
         self,
@@ -74,6 +99,8 @@ class ParityAttentionMetadataBuilder(AttentionMetadataBuilder[ParityAttentionMet
         fast_build: bool = False,
     ) -> ParityAttentionMetadata:
         cm = common_attn_metadata
+        if self.tiles is not None:
+            return self._build_cuda(cm)
         num_reqs = cm.num_reqs
         qsl = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int64)
         seq_lens = cm.seq_lens[:num_reqs].to(device="cpu", dtype=torch.int64)
@@ -100,10 +127,34 @@ class ParityAttentionMetadataBuilder(AttentionMetadataBuilder[ParityAttentionMet
             seq_lens=seq_lens,
             block_table=block_table,
             slot_mapping=cm.slot_mapping,
+            block_size=bs,
             q_seq=q_seq,
             q_pos=q_pos,
             ctx_slots=ctx_slots,
-            block_size=bs,
+        )
+
+    def _build_cuda(self, cm: CommonAttentionMetadata) -> ParityAttentionMetadata:
+        from parity import cuda
+
+        num_reqs = cm.num_reqs
+        qsl_host = cm.query_start_loc_cpu[: num_reqs + 1]
+        plan = cuda.paged_tile_plan(qsl_host, self.block_q)
+        used = plan.shape[0]
+        # A fresh pinned copy per step: the host allocator keeps it until the copy has run.
+        self.tiles[:used].copy_(plan.pin_memory(), non_blocking=True)
+        if self.tiles_used > used:  # rows a larger step (or a graph's capture) left behind
+            self.tiles[used : self.tiles_used].fill_(-1)
+        self.tiles_used = used
+        return ParityAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            num_query_tokens=int(qsl_host[-1]) if num_reqs else 0,
+            num_reqs=num_reqs,
+            query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            block_size=self.block_size,
+            tiles=self.tiles[:used],
         )
 
 
@@ -165,6 +216,11 @@ class ParityAttentionImpl(AttentionImpl[ParityAttentionMetadata]):
         if kv_cache.numel() == 0:
             return
         cache = _slot_view(kv_cache, self.num_kv_heads, self.head_size)
+        if cache.is_cuda:
+            from parity import cuda
+
+            cuda.kv_cache_store(key, value, cache, slot_mapping)
+            return
         n = min(slot_mapping.shape[0], key.shape[0])
         slots = slot_mapping[:n].to(torch.int64)
         keep = slots >= 0  # padding tokens carry slot -1
@@ -189,6 +245,8 @@ class ParityAttentionImpl(AttentionImpl[ParityAttentionMetadata]):
         if attn_metadata is None or kv_cache.numel() == 0:  # profiling / warm-up run
             output.zero_()
             return output
+        if attn_metadata.tiles is not None:
+            return self._forward_cuda(query, kv_cache, attn_metadata, output)
         n = attn_metadata.num_query_tokens
         output[n:].zero_()
         if n == 0:
@@ -206,6 +264,24 @@ class ParityAttentionImpl(AttentionImpl[ParityAttentionMetadata]):
             self.scale,
         )
         output[:n] = out.view(output[:n].shape)
+        return output
+
+    def _forward_cuda(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, md: ParityAttentionMetadata, output: torch.Tensor
+    ) -> torch.Tensor:
+        """The whole step in one launch over persistent buffers (capturable); rows of padding
+        tokens are left as they are (no request reads them)."""
+        from parity import cuda
+
+        if kv_cache.shape[2] != md.block_size:
+            raise RuntimeError(f"KV cache block size {kv_cache.shape[2]} != metadata block size {md.block_size}")
+        n = query.shape[0]
+        cuda.paged_attention_forward(
+            query.view(n, self.num_heads, self.head_size),
+            _slot_view(kv_cache, self.num_kv_heads, self.head_size),
+            md.block_table, md.block_size, md.query_start_loc, md.seq_lens, md.tiles,
+            self.scale, out=output.view(n, self.num_heads, self.head_size),
+        )
         return output
 
 

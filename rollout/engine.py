@@ -283,6 +283,9 @@ class RolloutEngine:
         # modules imported during construction (torch.compile reads it when it decorates).
         import torch._dynamo  # noqa: F401  (reads TORCHDYNAMO_DISABLE at import: do it before)
 
+        # vLLM captures CUDA graphs once, at start, of a model without an adapter.
+        self._captures_cuda_graphs = not enforce_eager and torch.cuda.is_available()
+
         child_env = {"TORCHDYNAMO_DISABLE": "1"} if enforce_eager else {}
         mode_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
         # In-process, vLLM's CPU worker replaces torch.set_num_threads with a no-op for the
@@ -429,11 +432,21 @@ class RolloutEngine:
                 f"{what} needs a parity engine (parity=True); stock vLLM LoRA is not supported"
             )
 
+    def _require_eager_for_adapters(self, what: str) -> None:
+        # A graph captured at start replays the layers as they were then: an adapter set
+        # later would be left out of every captured batch (docs/gpu.md, "LoRA and CUDA graphs").
+        if self._captures_cuda_graphs:
+            raise ValueError(
+                f"{what}: LoRA adapters need an eager engine on CUDA (enforce_eager=True,"
+                " `--cuda-graphs off`): vLLM's CUDA graphs were captured without the adapter"
+            )
+
     def set_adapter(self, tensors: Tensors, scaling: float) -> None:
         """Compute with a LoRA adapter from now on, replacing any previous one: `tensors` by
         peft name (parity.lora.peft_key) in the engine dtype, e.g.
         trainer.megatron.lora.rollout_tensors(model); `scaling` = alpha / rank."""
         self._require_parity("set_adapter")
+        self._require_eager_for_adapters("set_adapter")
         # The worker checks again; checking here first raises ValueError in this process
         # (across processes vLLM turns a worker's exception into a bare Exception) and sends
         # nothing that would be refused.
@@ -446,6 +459,7 @@ class RolloutEngine:
         and its index. Checked like set_adapter the first time a layout arrives; after that a
         sync is one copy into the buffer the model computes from."""
         self._require_parity("set_adapter_packed")
+        self._require_eager_for_adapters("set_adapter_packed")
         index = tuple(index)
         if not math.isfinite(scaling):
             raise ValueError(f"scaling must be finite, got {scaling}")

@@ -11,6 +11,7 @@ Prints one line per measurement and writes all numbers as JSON (see docs/gpu.md)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -90,35 +91,92 @@ def stock_invariance() -> None:
             [m for m in (2, 7, 64, 512, 4096) if not torch.equal(lg[:m].log_softmax(-1, dtype=torch.float32)[:1], one)])
 
 
-LINEAR_VARIANTS = {
-    "128x128x64_w8_s3 (default)": None,
-    "64x64x64_w4_s4": cuda.LinearConfig(64, 64, 64, 4, 4, "tf32"),
-    "128x256x64_w8_s3": cuda.LinearConfig(128, 256, 64, 8, 3, "tf32"),
-    "64x128x64_w4_s4": cuda.LinearConfig(64, 128, 64, 4, 4, "tf32"),
-}
+LARGE_TILE = cuda.LinearConfig(128, 128, 64, 8, 3, "tf32")
+# (N, K, row-parallel K-slices): the mid Llama's layers (hidden 1024, 16 / 4 heads of 64,
+# intermediate 2816: qkv, o_proj, gate_up, down; row_splits = 4) and a Llama-3-8B-sized pair.
+LINEAR_SHAPES = ((1536, 1024, 1), (1024, 1024, 4), (5632, 1024, 1), (1024, 2816, 4),
+                 (4096, 4096, 1), (4096, 14336, 8))
+
+
+def _fp32_partials_then_sum(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
+    """The row-parallel path before tensor cores: each K-slice widened to fp32 and run on the
+    fp32 ("ieee") GEMM, then summed in order (kept here as the baseline it replaced)."""
+    k = x.shape[1] // splits
+    wf = w.float()
+    parts = torch.stack([cuda.linear_forward(x[:, s * k : (s + 1) * k].float(), wf[:, s * k : (s + 1) * k])
+                         for s in range(splits)])
+    acc = parts[0]
+    for part in parts[1:]:
+        acc = acc + part
+    return acc.to(x.dtype)
 
 
 def linear_speed() -> None:
-    for n, k in ((4096, 4096), (28672, 4096), (4096, 14336)):
+    """bf16, cuBLAS vs the parity GEMM as the model runs it (the tile picked by M and the
+    K-slices, cuda.linear_config; row-parallel layers' slices summed inside the kernel), and
+    what each replaced (the 128 x 128 tile; fp32 partials summed by torch)."""
+    for n, k, splits in LINEAR_SHAPES:
         w = randn(n, k, seed=1)
-        for m in (1, 16, 128, 1024, 4096, 16384):
+        for m in (1, 16, 32, 128, 256, 1024, 4096):
             x = randn(m, k, seed=2)
             flops = 2 * m * n * k
             t_cublas = bench(lambda x=x, w=w: F.linear(x, w))
-            row = {"cublas_ms": round(t_cublas, 4), "cublas_TFLOP/s": round(flops / t_cublas / 1e9, 1)}
-            for name, cfg in LINEAR_VARIANTS.items():
-                t = bench(lambda x=x, w=w, cfg=cfg: cuda.linear_forward(x, w, cfg))
-                row[name] = {"ms": round(t, 4), "TFLOP/s": round(flops / t / 1e9, 1),
-                             "vs_cublas": round(t / t_cublas, 2)}
+            t_ours = bench(lambda x=x, w=w, s=splits: cuda.linear_forward(x, w, k_splits=s))
+            row = {"cublas_ms": round(t_cublas, 4), "parity_ms": round(t_ours, 4),
+                   "parity_TFLOP/s": round(flops / t_ours / 1e9, 1),
+                   "cublas_over_parity": round(t_cublas / t_ours, 3)}
+            if splits > 1:
+                t_old = bench(lambda x=x, w=w, s=splits: _fp32_partials_then_sum(x, w, s))
+                row["before_fp32_slices_ms"] = round(t_old, 4)
+            elif m <= cuda.MID_M:
+                t_old = bench(lambda x=x, w=w: cuda.linear_forward(x, w, LARGE_TILE))
+                row["before_128x128_tile_ms"] = round(t_old, 4)
             ref = x.double() @ w.double().t()
-            rel = ((cuda.linear_forward(x, w).double() - ref).norm() / ref.norm()).item()
-            row["rel_err_vs_fp64"] = f"{rel:.2e}"
-            log("linear_bf16", f"M={m} N={n} K={k}", row)
+            got = cuda.linear_forward(x, w, k_splits=splits).double()
+            row["rel_err_vs_fp64"] = f"{((got - ref).norm() / ref.norm()).item():.2e}"
+            log("linear_bf16", f"M={m} N={n} K={k} splits={splits}", row)
     w, x = randn(4096, 4096, dtype=torch.float32, seed=1), randn(4096, 4096, dtype=torch.float32)
     t_c = bench(lambda: F.linear(x, w))
     t_p = bench(lambda: cuda.linear_forward(x, w))
     log("linear_fp32", "M=N=K=4096", {"cublas_ms": round(t_c, 3), "parity_ms": round(t_p, 3),
                                        "parity_TFLOP/s": round(2 * 4096**3 / t_p / 1e9, 1)})
+
+
+def paged_decode_speed() -> None:
+    """Decode attention as the rollout runs it: the paged kernel over vLLM-style block tables
+    (page 16, pages scattered), against the gather + contiguous kernel it replaced and SDPA."""
+    hkv, g, page = 4, 4, 16
+    for d, seqs, ctx in ((64, 32, 256), (64, 32, 2048), (128, 64, 2048)):
+        hq = hkv * g
+        pages_per = ctx // page
+        n_pages = seqs * pages_per + 1
+        cache = randn(n_pages * page, 2, hkv, d, seed=3)
+        perm = torch.randperm(n_pages - 1, device="cuda") + 1
+        bt = perm[: seqs * pages_per].view(seqs, pages_per).to(torch.int32)
+        q = randn(seqs, hq, d, seed=4)
+        qsl = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
+        seq_lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+        tiles = cuda.paged_tile_plan(qsl.cpu(), cuda.attention_config(d, q.dtype).block_q).cuda()
+        out = torch.empty_like(q)
+        scale = d**-0.5
+        paged = functools.partial(cuda.paged_attention_forward, q, cache, bt, page, qsl, seq_lens, tiles, scale, out)
+        t_paged = bench(paged)
+        pos = torch.arange(ctx, device="cuda")
+        slots = (bt[:, pos // page].long() * page + pos % page)
+        seq, qpos = torch.arange(seqs, device="cuda"), torch.full((seqs,), ctx - 1, device="cuda")
+
+        def gathered(q=q, cache=cache, slots=slots, seq=seq, qpos=qpos, scale=scale):
+            ctx_kv = cache[slots]
+            return cuda.attention_forward(q, ctx_kv[:, :, 0], ctx_kv[:, :, 1], seq, qpos, scale)
+
+        t_gather = bench(gathered)
+        same = torch.equal(gathered(), paged())
+        kk = cache[slots][:, :, 0].transpose(1, 2).repeat_interleave(g, 1)
+        vv = cache[slots][:, :, 1].transpose(1, 2).repeat_interleave(g, 1)
+        t_sdpa = bench(functools.partial(F.scaled_dot_product_attention, q.unsqueeze(2), kk, vv))
+        log("paged_decode", f"D={d} seqs={seqs} ctx={ctx} Hq={hq} Hkv={hkv}",
+            {"paged_ms": round(t_paged, 4), "gather_then_contiguous_ms": round(t_gather, 4),
+             "sdpa_contiguous_ms": round(t_sdpa, 4), "paged_equals_gathered": same})
 
 
 def attention_speed() -> None:
@@ -239,9 +297,11 @@ ROLLOUT_ENGINES = (("stock, graphs", False, False), ("parity, eager", True, True
                    ("parity, graphs asked", True, False))
 
 
-def rollout_speed(model_dirs: list[str], batch: int = 32, max_tokens: int = 128) -> None:
+def rollout_speed(model_dirs: list[str], batch: int = 32, max_tokens: int = 128, repeats: int = 5) -> None:
     """Decode tokens/s of whole rollout engines, stock vs parity, side by side in one run:
-    `batch` random 16-token prompts, `max_tokens` each (EOS ignored), after a warm-up call."""
+    `batch` random 16-token prompts, `max_tokens` each (EOS ignored), after a warm-up call;
+    the median of `repeats` generate calls (one call is under a second: single calls of two
+    runs on one H100 differed up to 3x)."""
     from rollout.engine import RolloutEngine
 
     for model_dir in model_dirs:
@@ -254,12 +314,13 @@ def rollout_speed(model_dirs: list[str], batch: int = 32, max_tokens: int = 128)
                                max_model_len=16 + max_tokens + 1, max_num_seqs=batch) as engine:
                 start = time.perf_counter() - t0
                 engine.generate(prompts, max_tokens=8, ignore_eos=True)
-                t1 = time.perf_counter()
-                out = engine.generate(prompts, max_tokens=max_tokens, ignore_eos=True)
-                seconds = time.perf_counter() - t1
-            tokens = sum(len(c.token_ids) for c in out)
-            row[name] = {"tokens_per_s": round(tokens / seconds, 1), "tokens": tokens,
-                         "engine_start_s": round(start, 1)}
+                rates = []
+                for _ in range(repeats):
+                    t1 = time.perf_counter()
+                    out = engine.generate(prompts, max_tokens=max_tokens, ignore_eos=True)
+                    rates.append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - t1))
+            row[name] = {"tokens_per_s": round(sorted(rates)[len(rates) // 2], 1),
+                         "all_tokens_per_s": [round(r, 1) for r in rates], "engine_start_s": round(start, 1)}
             log("rollout_speed", f"{Path(model_dir).name} {name}", row[name])
         stock = row[ROLLOUT_ENGINES[0][0]]["tokens_per_s"]
         for name, _, _ in ROLLOUT_ENGINES[1:]:
@@ -275,7 +336,7 @@ def main() -> None:
     ap.add_argument("--models", default="", help="rollout_speed: comma-separated model dirs"
                     " (the section runs only when given; it needs vLLM's CUDA build)")
     args = ap.parse_args()
-    sections = [environment, ceilings, stock_invariance, linear_speed, attention_speed, norm_speed, stress]
+    sections = [environment, ceilings, stock_invariance, linear_speed, paged_decode_speed, attention_speed, norm_speed, stress]
     if not args.skip_trainer:
         sections.append(trainer)
     if args.models:

@@ -103,11 +103,13 @@ def bench_rollout(
                for n in torch.randint(16, 64, (batch,), generator=g)]
     with RolloutEngine(str(path), dtype=dtype, parity=parity, seed=0, max_num_seqs=batch,
                        max_model_len=256, enforce_eager=eager) as engine:
-        engine.generate(prompts, max_tokens=4)  # warm-up (sampler compile, allocations)
+        engine.generate(prompts, max_tokens=4, ignore_eos=True)  # warm-up (sampler compile, allocations)
         rates = []
         for _ in range(repeats):
             t = time.perf_counter()
-            done = engine.generate(prompts, max_tokens=max_tokens)
+            # EOS ignored: stock and parity engines sample different tokens, and a sequence
+            # that stops early would shrink one engine's batch and not the other's.
+            done = engine.generate(prompts, max_tokens=max_tokens, ignore_eos=True)
             rates.append(sum(len(c.token_ids) for c in done) / (time.perf_counter() - t))
     return statistics.median(rates)
 

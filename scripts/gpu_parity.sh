@@ -5,7 +5,8 @@
 #
 #   scripts/gpu_parity.sh OUT_DIR
 #
-# Runs in priority order under DEADLINE (seconds for the whole script, default 540); one log
+# Runs in priority order under DEADLINE (seconds for the whole script, default 540): CUDA
+# graphs first, then the rollout speed of tiny and mid Llama, then eager and stock; one log
 # and one report directory per run; prints each run's table; PACK=file.tgz archives OUT_DIR.
 set -u
 OUT_DIR=${1:?usage: gpu_parity.sh OUT_DIR}
@@ -20,6 +21,11 @@ for arch in llama qwen3; do
     [ -d "$MODELS/tiny-$arch" ] || $PY -m rl.cli model init --arch $arch --preset tiny --seed 0 \
         --dtype bf16 "$MODELS/tiny-$arch" >"$OUT_DIR/init-$arch.log" 2>&1
 done
+# mid-llama: 137M parameters (hidden 1024, 12 layers, 16 / 4 heads, MLP 2816; o_proj and
+# down_proj in 4 row-parallel K-slices), where the GEMMs and attention, not launches, dominate
+[ -d "$MODELS/mid-llama" ] || $PY -c "from rl.models import init_model; init_model('llama', 'small', 0, \
+    '$MODELS/mid-llama', 'bf16', overrides=dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, \
+    num_key_value_heads=4, head_dim=64, intermediate_size=2816))" >"$OUT_DIR/init-mid.log" 2>&1
 run() {  # run NAME SECONDS CMD...: one log per run, its last lines printed
     local name=$1 limit=$2 left=$((DEADLINE - SECONDS)); shift 2
     [ "$left" -lt "$limit" ] && limit=$left
@@ -35,13 +41,15 @@ check() {  # check NAME MODEL EXTRA_ARGS...: stock models on Triton attention (n
     run "$name" 150 $PY scripts/gpu_stock_triton.py rl.cli parity check --model "$MODELS/$model" --dtype bf16 \
         --batch-sizes 1,8,32 --num-prompts 8 --max-tokens 32 --report "$OUT_DIR/$name" "$@"
 }
+check llama-graphs tiny-llama --cuda-graphs on
+check mid-graphs mid-llama --cuda-graphs on
+run rollout-speed 230 $PY scripts/gpu_stock_triton.py scripts/bench_gpu.py --only rollout_speed \
+    --models "$MODELS/tiny-llama,$MODELS/mid-llama" --out "$OUT_DIR/rollout_speed.json"
+check qwen3-graphs tiny-qwen3 --cuda-graphs on
 check llama-eager tiny-llama
 check qwen3-eager tiny-qwen3
-check llama-graphs tiny-llama --cuda-graphs on
-check qwen3-graphs tiny-qwen3 --cuda-graphs on
 check llama-off-graphs tiny-llama --parity off --cuda-graphs on
-run rollout-speed 200 $PY scripts/gpu_stock_triton.py scripts/bench_gpu.py --only rollout_speed --models "$MODELS/tiny-llama" \
-    --out "$OUT_DIR/rollout_speed.json"
+check llama-sampled tiny-llama --cuda-graphs on --temperature 0.7 --top-p 0.9 --top-k 20
 echo "== total $SECONDS s"
 if [ -n "${PACK:-}" ]; then
     tar czf "$PACK" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")"

@@ -42,14 +42,24 @@ def test_kv_block_matches_cpu_kernel():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_linear_config_depends_on_the_weight_only(dtype):
-    assert list(inspect.signature(cuda.linear_config).parameters) == ["n", "k", "dtype"]
+def test_linear_config_keeps_one_k_walk_whatever_m(dtype):
+    """M and the K-slices may pick the tile (bf16 / fp16), never the K walk: the same BLOCK_K
+    from k = 0, no split-K field, 64-row multiples with four warps per 64 rows (one warpgroup
+    MMA shape)."""
+    assert list(inspect.signature(cuda.linear_config).parameters) == ["n", "k", "dtype", "m", "k_splits"]
     assert "split" not in " ".join(f.name for f in cuda.LinearConfig.__dataclass_fields__.values())
-    cfg = cuda.linear_config(4096, 4096, dtype)
-    for b in (cfg.block_m, cfg.block_n, cfg.block_k):
-        assert b >= 16 and b & (b - 1) == 0  # tl.dot needs power-of-two blocks of >= 16
-    assert (cfg.input_precision == "ieee") == (dtype == torch.float32)  # fp32 never goes tf32
-    assert cuda.linear_config(4096, 4096, dtype) == cfg
+    ms = (None, 1, cuda.SMALL_M, cuda.SMALL_M + 1, cuda.MID_M, cuda.MID_M + 1, 4096)
+    configs = {cuda.linear_config(4096, 4096, dtype, m, s) for m in ms for s in (1, 4)}
+    assert len({c.block_k for c in configs}) == 1
+    assert len({c.input_precision for c in configs}) == 1
+    for cfg in configs:
+        for b in (cfg.block_m, cfg.block_n, cfg.block_k):
+            assert b >= 16 and b & (b - 1) == 0  # tl.dot needs power-of-two blocks of >= 16
+        assert (cfg.input_precision == "ieee") == (dtype == torch.float32)  # fp32 never goes tf32
+        if dtype != torch.float32:
+            assert cfg.block_m % 64 == 0 and cfg.num_warps == 4 * (cfg.block_m // 64)
+    assert len(configs) == (1 if dtype == torch.float32 else 3)
+    assert cuda.linear_config(4096, 4096, dtype, 7) == cuda.linear_config(4096, 4096, dtype, 1)
 
 
 def test_linear_config_rejects_other_dtypes():
@@ -243,6 +253,43 @@ _INTERPRETED = textwrap.dedent(
         qb = torch.cat([randn(8, 2, hkv * g, d, dtype=dtype), q[L - 1 :]])
         out = cuda.attention_forward(qb, kb, vb, torch.arange(3), torch.tensor([5, 200, L - 1]), 0.2, cfg)
         assert same_values(out[-1], full[L - 1], tol), dtype
+    for splits in (2, 3):  # row-parallel K-slices: summed in order, or the fp32 partials
+        x, w = randn(9, 37, 96), randn(10, 50, 96)
+        parts = cuda.linear_forward(x, w, small, k_splits=splits, partials=True)
+        s = 96 // splits
+        for i in range(splits):
+            ref = x[:, i * s : (i + 1) * s].double() @ w[:, i * s : (i + 1) * s].double().t()
+            assert (parts[i].double() - ref).abs().max() < 1e-4, (splits, i)
+        summed = cuda.linear_forward(x, w, small, k_splits=splits)
+        assert (summed - parts.sum(0)).abs().max() < 1e-5, splits
+
+    # the paged kernel reads vLLM's layout: pages in any order, garbage in unused slots
+    acfg, page, hkv, g, d = cuda.AttentionConfig(16, 1, 1, "ieee"), 16, 2, 2, 32
+    lens, qlens = [5, 150, 1, 70], [5, 20, 1, 3]
+    k, v = randn(11, 4, 150, hkv, d), randn(12, 4, 150, hkv, d)
+    cache = torch.full((64 * page, 2, hkv, d), float("nan"))
+    pages = (torch.randperm(63, generator=torch.Generator().manual_seed(0)) + 1).tolist()
+    bt = torch.zeros(4, 10, dtype=torch.int32)
+    for r, length in enumerate(lens):
+        for p in range(-(-length // page)):
+            bt[r, p] = pages.pop()
+        pos = torch.arange(length)
+        slots = bt[r, pos // page].long() * page + pos % page
+        cuda.kv_cache_store(k[r, :length], v[r, :length], cache, slots)
+    qsl = torch.tensor([0, 5, 25, 26, 29], dtype=torch.int32)
+    q = randn(13, 32, hkv * g, d)
+    q_seq = torch.repeat_interleave(torch.arange(4), torch.tensor(qlens))
+    q_pos = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, qlens)])
+    want = cuda.attention_forward(q[:29], k, v, q_seq, q_pos, 0.2, acfg)
+    tiles = torch.cat([cuda.paged_tile_plan(qsl, acfg.block_q), torch.full((3, 2), -1, dtype=torch.int32)])
+    out = torch.full_like(q, 7.0)
+    cuda.paged_attention_forward(q, cache, bt, page, qsl, torch.tensor(lens, dtype=torch.int32), tiles, 0.2, out, acfg)
+    assert same_values(out[:29], want, 1e-5)
+    assert bool((out[29:] == 7.0).all())  # rows no tile covers are left alone
+    c2 = torch.zeros(8, 2, hkv, d)
+    cuda.kv_cache_store(k[0, :4], v[0, :4], c2, torch.tensor([3, -1, 0, 7]))
+    assert torch.equal(c2[3, 0], k[0, 0]) and torch.equal(c2[7, 1], v[0, 3]) and torch.equal(c2[0, 0], k[0, 2])
+    assert bool((c2[[1, 2, 4, 5, 6]] == 0).all())  # slot -1 (a padded token) writes nothing
     print("interpreted kernels ok")
     """
 )
@@ -457,3 +504,174 @@ def test_gpu_log_softmax_row_invariant(rows, vocab, dtype, seed, pick):
     assert torch.equal(kernels.log_softmax(logits[i : i + 1])[0], full[i])
     big = torch.cat([_randn(seed + 1, 1024, vocab, dtype=dtype, device="cuda"), logits[i : i + 1]])
     assert torch.equal(kernels.log_softmax(big)[-1], full[i])
+
+
+# --- GPU: the decode path vLLM captures in CUDA graphs ----------------------------------------
+
+
+def _mma_instructions(compiled) -> set[str]:
+    """The tensor-core MMA instructions of a compiled kernel, without their N width (N says
+    which outputs one instruction covers, not how an output is summed)."""
+    import re
+
+    return {re.sub(r"n\d+", "nN", m) for m in re.findall(r"\b(w?gmma\.mma_async\.\S+|mma\.sync\.\S+)", compiled.asm["ptx"])}
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "k", "splits"), [(4096, 4096, 1), (1000, 576, 1), (4096, 14336, 8), (192, 1152, 3)])
+def test_gpu_linear_tiles_give_one_result(dtype, n, k, splits):
+    """The decode and 64 x 64 tiles give every element the bits of the 128 x 128 tile, at
+    every M from 1 to 512 (each tile's rows, both sides of each switch), and compile to the
+    same MMA instruction: same operand types, same k16 step, fp32 accumulator."""
+    x = _randn(0, 512, k, dtype=dtype, device="cuda")
+    w = _randn(1, n, k, dtype=dtype, device="cuda")
+    tiles = [cuda.linear_config(n, k, dtype, m) for m in (1, cuda.MID_M, 4096)]
+    assert len(set(tiles)) == 3
+    outs = [torch.empty(64, n, dtype=dtype, device="cuda") for _ in tiles]
+    mma = [_mma_instructions(cuda._launch_linear(x[:64], w, o, c, splits)) for o, c in zip(outs, tiles, strict=True)]
+    assert mma[0] and mma[0] == mma[1] == mma[2], mma
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
+    whole = cuda.linear_forward(x, w, tiles[2], k_splits=splits)
+    for m in range(1, 513):
+        got = cuda.linear_forward(x[:m], w, k_splits=splits)
+        assert torch.equal(got, whole[:m]), m
+
+
+def _paged_case(seed: int, lens: list[int], qlens: list[int], page: int, hkv: int, group: int, d: int,
+                dtype: torch.dtype, pages_total: int):
+    """A vLLM-like paged cache (pages in random order, NaN in unused slots) holding `lens`
+    tokens per request, the contiguous k / v it holds, and the last `qlens` queries of each."""
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(seed)
+    r, longest = len(lens), max(lens)
+    k = _randn(seed, r, longest, hkv, d, dtype=dtype, device=dev)
+    v = _randn(seed + 1, r, longest, hkv, d, dtype=dtype, device=dev)
+    cache = torch.full((pages_total * page, 2, hkv, d), float("nan"), dtype=dtype, device=dev)
+    free = (torch.randperm(pages_total - 1, generator=gen) + 1).tolist()  # page 0: vLLM's null block
+    bt = torch.zeros(r, -(-longest // page) + 2, dtype=torch.int32)
+    for i, length in enumerate(lens):
+        for p in range(-(-length // page)):
+            bt[i, p] = free.pop()
+    bt = bt.to(dev)
+    for i, length in enumerate(lens):
+        pos = torch.arange(length, device=dev)
+        cuda.kv_cache_store(k[i, :length], v[i, :length], cache, bt[i, pos // page].long() * page + pos % page)
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    q = _randn(seed + 2, int(qsl[-1]), hkv * group, d, dtype=dtype, device=dev)
+    q_seq = torch.repeat_interleave(torch.arange(r), torch.tensor(qlens))
+    q_pos = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, qlens, strict=True)])
+    return q, k, v, cache, bt, qsl, q_seq, q_pos
+
+
+@gpu
+@settings(max_examples=25, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(st.integers(1, 600), st.integers(1, 80)), min_size=1, max_size=12),
+    page=st.sampled_from([16, 32]), hkv=st.sampled_from([1, 2, 8]), group=st.sampled_from([1, 4]),
+    d=st.sampled_from([64, 128]), dtype=DTYPES, seed=st.integers(0, 2**16), spare=st.integers(0, 5),
+)
+def test_gpu_paged_attention_is_the_contiguous_kernel(reqs, page, hkv, group, d, dtype, seed, spare):
+    """vLLM's paged cache read in place gives the bits of the contiguous kernel (which the
+    trainer runs), for mixed decode / chunked-prefill batches; spare (-1) tiles and rows no
+    tile covers (a captured graph's padding) change nothing."""
+    lens = [n for n, _ in reqs]
+    qlens = [min(n, m) if i % 2 else 1 for i, (n, m) in enumerate(reqs)]  # decodes among prefills
+    pages_total = sum(-(-n // page) for n in lens) + 7
+    q, k, v, cache, bt, qsl, q_seq, q_pos = _paged_case(seed, lens, qlens, page, hkv, group, d, dtype, pages_total)
+    scale = kernels.attention_scale(d)
+    want = cuda.attention_forward(q, k, v, q_seq, q_pos, scale)
+    plan = cuda.paged_tile_plan(qsl, cuda.attention_config(d, dtype).block_q)
+    tiles = torch.cat([plan, torch.full((spare, 2), -1, dtype=torch.int32)]).cuda()
+    t = q.shape[0]
+    qp = torch.cat([q, q[:3]])  # padded rows past the last request
+    out = torch.full_like(qp, 5.0)
+    cuda.paged_attention_forward(qp, cache, bt, page, qsl.cuda(), torch.tensor(lens, dtype=torch.int32).cuda(),
+                                 tiles, scale, out)
+    assert torch.equal(out[:t], want)
+    assert bool((out[t:] == 5.0).all())
+
+
+@gpu
+def test_gpu_kv_cache_store_copies_bits_and_skips_padding():
+    key = _randn(0, 6, 2, 64, dtype=torch.bfloat16, device="cuda")
+    value = _randn(1, 6, 2, 64, dtype=torch.bfloat16, device="cuda")
+    cache = torch.zeros(32, 2, 2, 64, dtype=torch.bfloat16, device="cuda")
+    slots = torch.tensor([9, -1, 0, 31, 4, -1], device="cuda")
+    cuda.kv_cache_store(key, value, cache, slots)
+    want = torch.zeros_like(cache)
+    keep = slots >= 0
+    want[slots[keep], 0], want[slots[keep], 1] = key[keep], value[keep]
+    assert torch.equal(cache, want)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_decode_step_replayed_from_a_cuda_graph_equals_eager(dtype):
+    """What vLLM's FULL decode graphs do: capture store + paged attention + GEMM once over
+    fixed buffers, then replay with other requests written into those buffers (other lengths,
+    pages and padding), bitwise equal to eager launches."""
+    page, hkv, group, d, cap = 16, 2, 4, 64, 8
+    w = _randn(9, 256, hkv * group * d, dtype=dtype, device="cuda")
+    scale = kernels.attention_scale(d)
+    block_q = cuda.attention_config(d, dtype).block_q
+
+    def case(seed: int, lens: list[int]):
+        q, _, _, cache, bt, qsl, _, _ = _paged_case(seed, lens, [1] * len(lens), page, hkv, group, d, dtype, 80)
+        new_k = _randn(seed + 7, len(lens), hkv, d, dtype=dtype, device="cuda")
+        # this step's token goes into the slot after each context (its position is len - 1)
+        pos = torch.tensor(lens, device="cuda") - 1
+        slots = bt[torch.arange(len(lens), device="cuda"), pos // page].long() * page + pos % page
+        return q, cache, bt, qsl, torch.tensor(lens, dtype=torch.int32), new_k, slots
+
+    def step(q, cache, bt, qsl, seq_lens, tiles, new_k, slots, out):
+        cuda.kv_cache_store(new_k, new_k, cache, slots)
+        cuda.paged_attention_forward(q, cache, bt, page, qsl, seq_lens, tiles, scale, out)
+        return cuda.linear_forward(out.view(out.shape[0], -1), w)
+
+    # static buffers sized for `cap` requests, as vLLM's runner keeps them
+    sq = torch.zeros(cap, hkv * group, d, dtype=dtype, device="cuda")
+    scache = torch.zeros(80 * page, 2, hkv, d, dtype=dtype, device="cuda")
+    sbt = torch.zeros(cap, 64, dtype=torch.int32, device="cuda")
+    sqsl = torch.zeros(cap + 1, dtype=torch.int32, device="cuda")
+    slens = torch.zeros(cap, dtype=torch.int32, device="cuda")
+    stiles = torch.full((cap, 2), -1, dtype=torch.int32, device="cuda")
+    sk = torch.zeros(cap, hkv, d, dtype=dtype, device="cuda")
+    sslots = torch.full((cap,), -1, dtype=torch.long, device="cuda")
+    sout = torch.zeros_like(sq)
+
+    def load(q, cache, bt, qsl, seq_lens, new_k, slots):
+        r = q.shape[0]
+        sq.zero_(), sq[:r].copy_(q)
+        scache.copy_(cache)
+        sbt.zero_(), sbt[:r, : bt.shape[1]].copy_(bt)
+        sqsl.fill_(r), sqsl[: r + 1].copy_(qsl)  # padded requests: zero queries
+        slens.zero_(), slens[:r].copy_(seq_lens)
+        plan = cuda.paged_tile_plan(qsl, block_q)
+        stiles.fill_(-1), stiles[: plan.shape[0]].copy_(plan)
+        sk.zero_(), sk[:r].copy_(new_k)
+        sslots.fill_(-1), sslots[:r].copy_(slots)
+
+    load(*case(0, [40] * cap))
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(sq, scache, sbt, sqsl, slens, stiles, sk, sslots, sout)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sy = step(sq, scache, sbt, sqsl, slens, stiles, sk, sslots, sout)
+
+    for seed, lens in ((1, [5, 300, 17]), (2, [1, 2, 3, 4, 5, 6, 7, 600]), (3, [129])):
+        q, cache, bt, qsl, seq_lens, new_k, slots = case(seed, lens)
+        load(q, cache, bt, qsl, seq_lens, new_k, slots)
+        graph.replay()
+        eager_cache = cache.clone()
+        out = torch.empty_like(q)
+        tiles = cuda.paged_tile_plan(qsl, block_q).cuda()
+        y = step(q, eager_cache, bt, qsl.cuda(), seq_lens.cuda(), tiles, new_k, slots, out)
+        r = len(lens)
+        assert torch.equal(sout[:r], out), seed
+        assert torch.equal(sy[:r], y), seed
+        assert torch.equal(scache.view(torch.uint8), eager_cache.view(torch.uint8)), seed  # NaN slots too
