@@ -22,8 +22,8 @@ them). Attention walks the keys in blocks of `KV_BLOCK` positions from position 
 position t always sees the same blocks with the same values, whatever else is in the batch,
 and each block's products run on the compiled `bmm`. The rollout reads the blocks out of vLLM's
 paged cache in place (`paged_attention`); training runs the same walk over contiguous keys.
-The one reduction left to torch is the vocabulary log-softmax: it is vLLM's own sampler op,
-which both engines call on the same rows (see `log_softmax`).
+The vocabulary log-softmax and the sampler after it are compiled too (parity/csrc/sampling.cpp,
+parity/sampling.py): the rollout samples with them instead of vLLM's sampler.
 
 All functions are differentiable: the forward is the invariant kernel, the backward plain torch
 math (gradients need not be bit-stable, only the forward log-probs must be). A pure-torch
@@ -264,14 +264,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def rope_table(head_dim: int, base: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin tables [max_positions, head_dim // 2].
+    """fp32 cos/sin tables [max_positions, head_dim // 2] (compiled, parity/csrc/rope.cpp).
 
-    Invariant because: the table's shape is fixed by the model config, so both engines build
-    the same bits once and then only index it by position. Always built on the CPU, whatever
-    the ambient `torch.device(...)` context: vLLM constructs its model under a CUDA device
-    context and Megatron on the CPU, and a GPU's cos/sin differ from the CPU's in thousands of
-    entries (the H200 parity mismatch). Callers move the table where they compute.
+    The usual table (inv_freq = 1 / base^(2j / head_dim), angle = position * inv_freq in fp32),
+    with pow, cos and sin our own double-precision code rounded once to fp32: an entry's bits
+    are a function of (position, j, head_dim, base) alone, on every ISA code path. (torch's
+    pow / cos / sin, which this replaces, change bits with ATEN_CPU_CAPABILITY.) Both engines
+    build it once and then only index it by position. Always built on the CPU, whatever the
+    ambient `torch.device(...)` context: vLLM constructs its model under a CUDA device context
+    and Megatron on the CPU, and a GPU's cos/sin differ from the CPU's in thousands of entries
+    (the H200 parity mismatch). Callers move the table where they compute.
+    KIMI_RL_INVARIANT_KERNELS=0 builds it with torch's ops (`_rope_table_reference`).
     """
+    if not INVARIANT:
+        return _rope_table_reference(head_dim, base, max_positions)
+    return tuple(native.ops().rope_table(head_dim, float(base), max_positions))
+
+
+def _rope_table_reference(head_dim: int, base: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     cpu = torch.device("cpu")
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
     inv_freq = 1.0 / (base**exponent)
@@ -455,16 +465,36 @@ def paged_attention(
     return _paged_attention_forward(q, kv_cache, ctx_slots, q_seq, q_pos, scale)
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """fp32 log-softmax over the vocabulary.
+def _log_softmax_reference(x: torch.Tensor) -> torch.Tensor:
+    return x.log_softmax(dim=-1, dtype=torch.float32)
 
-    This is exactly the op vLLM's sampler runs for log-probs
-    (`logits.log_softmax(dim=-1, dtype=torch.float32)`; pinned by a test), so both engines turn
-    logits into log-probs with one implementation. Invariant because: torch's last-dim
-    log-softmax kernel reduces each row on its own with a vector loop whose order depends only
-    on the vocabulary size.
+
+def _log_softmax_forward(x: torch.Tensor) -> torch.Tensor:
+    return native.ops().log_softmax(x)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax over the vocabulary (compiled, parity/csrc/sampling.cpp).
+
+    Invariant by construction: per row, the fixed-order row max, our exp, the fixed-tree row
+    sum and our log, so a row's bits are a function of the row alone, on every ISA code path.
+    The rollout's sampler (rollout/sampler.py) and the trainer both call this. Differentiable:
+    gradients come from torch's log-softmax. CUDA tensors (and KIMI_RL_INVARIANT_KERNELS=0)
+    keep torch's kernel.
     """
-    return logits.log_softmax(dim=-1, dtype=torch.float32)
+    if logits.is_cuda or not INVARIANT:
+        return _log_softmax_reference(logits)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return RecomputeGrad.apply(logits, _log_softmax_forward, _log_softmax_reference)
+    return _log_softmax_forward(logits)
+
+
+def kernel_info() -> dict[str, object]:
+    """What computes this process's log-probs: the compiled kernels' code path (KIMI_RL_ISA),
+    torch's own (ATEN_CPU_CAPABILITY) and whether the invariant kernels are on
+    (KIMI_RL_INVARIANT_KERNELS), for reports and metrics."""
+    return {"isa": native.isa(), "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "invariant_kernels": INVARIANT}
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

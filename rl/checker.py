@@ -25,7 +25,8 @@ import torch
 
 from parity.compare import compare_logprobs
 from parity.dtypes import torch_dtype
-from parity.sampling import Sampling
+from parity.kernels import kernel_info
+from parity.sampling import Sampling, request_key
 from rl.errors import UserError
 from trainer.backend import Adapter
 
@@ -377,7 +378,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
     context = _check_prompt_lengths(args, spec, prompts)
 
     t0 = time.perf_counter()
-    samples = sample_in_vllm(args, spec, prompts, context, adapter, console)
+    samples, rollout = sample_in_vllm(args, spec, prompts, context, adapter, console)
     rollout_seconds = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -386,7 +387,7 @@ def run_check(args: CheckArgs, console=None) -> CheckResult:
     train_seconds = time.perf_counter() - t1
 
     seconds = {"rollout": round(rollout_seconds, 2), "train": round(train_seconds, 2)}
-    return CheckResult(build_report(args, samples, completions, train_logprobs, seconds),
+    return CheckResult(build_report(args, samples, completions, train_logprobs, seconds, rollout),
                        completions, train_logprobs)
 
 
@@ -404,9 +405,13 @@ def _check_prompt_lengths(args: CheckArgs, spec, prompts: list[list[int]]) -> in
     return too_long
 
 
-def sample_in_vllm(args: CheckArgs, spec, prompts: list[list[int]], context: int, adapter, console) -> dict[int, list]:
-    """{batch size: completions}: every prompt batch of every batch size sampled by one vLLM
-    engine (closed on return)."""
+def sample_in_vllm(
+    args: CheckArgs, spec, prompts: list[list[int]], context: int, adapter, console
+) -> tuple[dict[int, list], dict]:
+    """({batch size: completions}, {"kernels": the engine's kernel_info, "prefix_cache": on and
+    its hits}): every prompt batch of every batch size sampled by one vLLM engine (closed on
+    return). Prompt i samples under the key of (--seed, step 0, prompt i), whatever batch it is
+    in: the same tokens at every batch size (the later batch sizes hit the prefix cache)."""
     from rich.progress import Progress
 
     from rollout.engine import RolloutEngine
@@ -426,15 +431,17 @@ def sample_in_vllm(args: CheckArgs, spec, prompts: list[list[int]], context: int
                 tensors, lora_rank, alpha, _ = adapter
                 # The trainer computes with its fp32 masters cast to the model dtype: send that.
                 engine.set_adapter({k: v.to(torch_dtype(args.dtype)) for k, v in tensors.items()}, alpha / lora_rank)
+            kernels = engine.kernel_info()
             plan = [(bs, idx) for bs in args.batch_sizes for idx in batches_for(len(prompts), bs)]
             progress.update(task, description="sampling in vLLM", total=len(plan), completed=0)
             for bs, idx in plan:
                 samples.setdefault(bs, []).extend(
                     engine.generate([prompts[i] for i in idx], max_tokens=args.max_tokens,
-                                    sampling=args.sampling)
+                                    sampling=args.sampling, keys=[request_key(args.seed, 0, i, 0) for i in idx])
                 )
                 progress.advance(task)
-    return samples
+    cache = {"on": engine.prefix_caching, "hit_tokens": engine.prefix_hits}
+    return samples, {"kernels": kernels, "prefix_cache": cache}
 
 
 def rescore(
@@ -465,8 +472,11 @@ def rescore_with_progress(args: CheckArgs, completions: list, adapter, console) 
 
 
 def build_report(args: CheckArgs, samples: dict[int, list], completions: list,
-                 train_logprobs: list[torch.Tensor], seconds: dict[str, float]) -> dict:
-    """What report.json holds: the settings, the comparison over all tokens and per batch size."""
+                 train_logprobs: list[torch.Tensor], seconds: dict[str, float], rollout: dict) -> dict:
+    """What report.json holds: the settings, each side's kernels (ISA code path, whether the
+    invariant kernels are on: parity.kernels.kernel_info; the trainer's are this process's,
+    whose environment its ranks inherit), the rollout's prefix-cache hits, the comparison over
+    all tokens and per batch size."""
     per_bs, offset = {}, 0
     for bs in args.batch_sizes:
         n = len(samples[bs])
@@ -490,6 +500,8 @@ def build_report(args: CheckArgs, samples: dict[int, list], completions: list,
         "adapter": str(args.adapter) if args.adapter else None,
         "sampling": dataclasses.asdict(args.sampling),
         "trainer": args.trainer,
+        "kernels": {"rollout": rollout["kernels"], "trainer": kernel_info()},
+        "prefix_cache": rollout["prefix_cache"],
         **total.to_dict(),
         "passed": total.all_equal,
         "per_batch_size": per_bs,

@@ -49,6 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_isa() -> None:
+    """KIMI_RL_ISA (the parity kernels' code path, parity/native.py) is read by every process
+    that computes: a bad value ends the command here, in one line, not in a worker's trace."""
+    from parity import native
+
+    try:
+        native.check_isa_environment()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from rl import quiet
 
@@ -77,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        _check_isa()
         return int(args.func(args) or 0)
     except UserError as e:
         sys.stderr.write(f"kimi-rl: error: {e}\n")

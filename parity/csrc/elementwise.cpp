@@ -22,6 +22,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "fixed_math.h"
 #include "isa.h"
 
 #include <algorithm>
@@ -33,77 +34,7 @@
 
 namespace {
 
-#define KP_INLINE inline __attribute__((always_inline))
-
-KP_INLINE float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-KP_INLINE uint32_t to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-// exp(x): x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2 (Cody-Waite: ln2 split in a
-// 9-bit head, so n * head is exact, and a tail); exp(r) by the degree-7 Cephes polynomial;
-// times 2^n as two exact powers of two (so n down to -150 reaches the subnormals).
-// Max error ~1 ulp. exp(NaN) = NaN, exp(+inf) = +inf, exp(-inf) = 0.
-KP_INLINE float exp_fixed(float x) {
-  constexpr float kHi = 88.72283935546875f;    // above: overflow to +inf
-  constexpr float kLo = -103.97208404541016f;  // below: 0
-  float xc = x >= kLo ? x : kLo;               // NaN -> kLo, restored at the end
-  xc = xc <= kHi ? xc : kHi;
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to integer
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  const float z = r * r;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * z + r;
-  y = y + 1.0f;
-  const int32_t ni = static_cast<int32_t>(n);  // exact: n is an integer in [-150, 128]
-  const int32_t n1 = ni >> 1, n2 = ni - n1;      // both in [-75, 64]: normal powers of two
-  y = y * from_bits(static_cast<uint32_t>(n1 + 127) << 23);
-  y = y * from_bits(static_cast<uint32_t>(n2 + 127) << 23);
-  y = x >= kLo ? y : 0.0f;
-  y = x > kHi ? std::numeric_limits<float>::infinity() : y;
-  return x == x ? y : x;  // NaN stays NaN
-}
-
-// log(u) for a finite u >= 1 (the only inputs softplus gives it): u = m 2^e with m in
-// [sqrt(1/2), sqrt(2)), log(m) by the Cephes polynomial in f = m - 1, plus e ln2 (split).
-KP_INLINE float log_fixed(float u) {
-  const uint32_t bits = to_bits(u);
-  int32_t e = static_cast<int32_t>((bits >> 23) & 0xffu) - 126;
-  float m = from_bits((bits & 0x007fffffu) | 0x3f000000u);  // [0.5, 1)
-  const bool small = m < 0.707106781186547524f;
-  e = small ? e - 1 : e;
-  const float f = small ? (m + m) - 1.0f : m - 1.0f;
-  const float fe = static_cast<float>(e);
-  const float z = f * f;
-  float p = 7.0376836292e-2f;
-  p = p * f - 1.1514610310e-1f;
-  p = p * f + 1.1676998740e-1f;
-  p = p * f - 1.2420140846e-1f;
-  p = p * f + 1.4249322787e-1f;
-  p = p * f - 1.6668057665e-1f;
-  p = p * f + 2.0000714765e-1f;
-  p = p * f - 2.4999993993e-1f;
-  p = p * f + 3.3333331174e-1f;
-  float y = p * f;
-  y = y * z;
-  y = y + fe * -2.12194440e-4f;
-  y = y - 0.5f * z;
-  float out = f + y;
-  return out + fe * 0.693359375f;
-}
+using namespace kimi_parity::fixed;
 
 enum Op : int { kExp, kSigmoid, kSilu, kSoftplus, kRsqrt };
 
@@ -158,19 +89,6 @@ __attribute__((optimize("no-tree-vectorize"))) void unary_scalar(const float* in
   for (int64_t i = 0; i < n; ++i) out[i] = apply<OP>(in[i]);
 }
 
-constexpr int kLanes = 16;
-
-KP_INLINE float row_sum_body(const float* x, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] = acc[l] + x[i + l];
-  for (int l = 0; i + l < n; ++l) acc[l] = acc[l] + x[i + l];
-  for (int width = kLanes / 2; width >= 1; width /= 2)
-    for (int l = 0; l < width; ++l) acc[l] = acc[l] + acc[l + width];
-  return acc[0] == acc[0] ? acc[0] : from_bits(0x7fc00000u);  // one NaN, as for apply()
-}
-
 __attribute__((target("avx512f"))) void row_sum_avx512(const float* x, float* out, int64_t rows, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) out[r] = row_sum_body(x + r * n, n);
 }
@@ -185,10 +103,6 @@ __attribute__((optimize("no-tree-vectorize"))) void row_sum_scalar(const float* 
 
 using kimi_parity::cpu_has;
 
-const std::string& fastest_isa() {
-  static const std::string isa = kimi_parity::isas().front();
-  return isa;
-}
 
 at::Tensor as_fp32(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu(), "kimi_parity: CPU tensors only");
@@ -218,11 +132,14 @@ at::Tensor unary_on(const at::Tensor& x_in, const std::string& fn, const std::st
   at::Tensor out = at::empty(x.sizes(), x.options());
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, x.numel(), 1 << 15, [&](int64_t begin, int64_t end) { f(in + begin, o + begin, end - begin); });
+  at::parallel_for(0, x.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+    const DefaultFpEnv env;
+    f(in + begin, o + begin, end - begin);
+  });
   return out;
 }
 
-at::Tensor unary(const at::Tensor& x, const std::string& fn) { return unary_on(x, fn, fastest_isa()); }
+at::Tensor unary(const at::Tensor& x, const std::string& fn) { return unary_on(x, fn, kimi_parity::current_isa()); }
 
 // Sum over the last dim in fp32 on the `isa` code path -> fp32 [...] (bf16 input is widened).
 at::Tensor row_sum_on(const at::Tensor& x_in, const std::string& isa) {
@@ -239,11 +156,14 @@ at::Tensor row_sum_on(const at::Tensor& x_in, const std::string& isa) {
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / n);
-  at::parallel_for(0, out_rows, grain, [&](int64_t begin, int64_t end) { f(in + begin * n, o + begin, end - begin, n); });
+  at::parallel_for(0, out_rows, grain, [&](int64_t begin, int64_t end) {
+    const DefaultFpEnv env;
+    f(in + begin * n, o + begin, end - begin, n);
+  });
   return out;
 }
 
-at::Tensor row_sum(const at::Tensor& x) { return row_sum_on(x, fastest_isa()); }
+at::Tensor row_sum(const at::Tensor& x) { return row_sum_on(x, kimi_parity::current_isa()); }
 
 }  // namespace
 

@@ -16,9 +16,8 @@
 // and TP = N give the same bits when the ranks' partials are added in rank order. `sum` = false
 // returns the partials themselves ([S, M, N]) for that cross-rank sum.
 //
-// Registered as torch.ops.kimi_parity.{pack, gemm, gemm_on, bmm, bmm_on, isas, gemm_reference};
-// loaded by
-// parity/native.py.
+// Registered as torch.ops.kimi_parity.{pack, gemm, gemm_on, bmm, bmm_on, isas, isa, set_isa,
+// gemm_reference}; loaded by parity/native.py.
 // Compiled with -ffp-contract=off: the only fused operations are the explicit FMAs below.
 
 #include <ATen/Parallel.h>
@@ -29,6 +28,7 @@
 
 #include <immintrin.h>
 
+#include "fixed_math.h"
 #include "isa.h"
 
 #include <algorithm>
@@ -160,6 +160,7 @@ at::Tensor pack(const at::Tensor& weight) {
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    const kimi_parity::fixed::DefaultFpEnv env;
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kPanel, n - p * kPanel);
       const float* rows = src + p * kPanel * k;
@@ -204,6 +205,7 @@ at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
   const int64_t task_flops = 2 * std::min(m, chunk_rows) * kern.max_panels * kPanel * k;
   const int64_t grain = std::max<int64_t>(1, (1 << 20) / task_flops);
   at::parallel_for(0, chunks * col_blocks, grain, [&](int64_t begin, int64_t end) {
+    const kimi_parity::fixed::DefaultFpEnv env;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t cb = t % col_blocks, chunk = t / col_blocks;
       const int64_t p0 = cb * kern.max_panels, np = std::min<int64_t>(kern.max_panels, panels - p0);
@@ -222,10 +224,9 @@ at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
   return out;
 }
 
-// The same on the fastest path of this CPU (chosen once per process).
+// The same on the process's code path (KIMI_RL_ISA, else the fastest: isa.h).
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t splits, bool sum) {
-  static const std::string fastest = isas().front();
-  return gemm_on(x, packed, n, fastest, splits, sum);
+  return gemm_on(x, packed, n, kimi_parity::current_isa(), splits, sum);
 }
 
 // Independent products of small matrices (attention's per-(query, KV head) blocks, the
@@ -253,6 +254,7 @@ at::Tensor bmm_on(const at::Tensor& a_in, const at::Tensor& b_in, const std::str
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t grain = std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, 2 * m * n * k));
   at::parallel_for(0, e, grain, [&](int64_t begin, int64_t end) {
+    const kimi_parity::fixed::DefaultFpEnv env;
     std::vector<float> packed(panels * k * kPanel, 0.0f);
     for (int64_t i = begin; i < end; ++i) {
       const float* bi = bp + i * k * n;
@@ -277,8 +279,7 @@ at::Tensor bmm_on(const at::Tensor& a_in, const at::Tensor& b_in, const std::str
 }
 
 at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
-  static const std::string fastest = isas().front();
-  return bmm_on(a, b, fastest);
+  return bmm_on(a, b, kimi_parity::current_isa());
 }
 
 // The order above written as the plainest loop, on unpacked operands: the specification the
@@ -315,5 +316,7 @@ TORCH_LIBRARY(kimi_parity, lib) {
   lib.def("bmm(Tensor a, Tensor b) -> Tensor", &bmm);
   lib.def("bmm_on(Tensor a, Tensor b, str isa) -> Tensor", &bmm_on);
   lib.def("isas() -> str[]", &isas);
+  lib.def("isa() -> str", &kimi_parity::current_isa);
+  lib.def("set_isa(str isa) -> ()", &kimi_parity::set_isa);
   lib.def("gemm_reference(Tensor x, Tensor weight, int splits=1) -> Tensor", &gemm_reference);
 }

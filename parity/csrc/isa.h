@@ -1,7 +1,15 @@
-// The CPU code paths of the parity kernels (gemm.cpp, elementwise.cpp), fastest first. Every
-// path computes the same bits; the choice only changes speed.
+// The CPU code paths of the parity kernels (gemm.cpp, elementwise.cpp, sampling.cpp), fastest
+// first. Every path computes the same bits; the choice only changes speed.
+//
+// The path an op runs when the caller names none: KIMI_RL_ISA (avx512 | avx2 | scalar) when set,
+// refused when this CPU cannot run it, else the fastest this CPU has; `set_isa` changes it for
+// the whole process (parity/native.py). One switch for every compiled library of the process.
 #pragma once
 
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -20,6 +28,42 @@ inline std::vector<std::string> isas() {
   for (const char* isa : {"avx512", "avx2", "scalar"})
     if (cpu_has(isa)) out.emplace_back(isa);
   return out;
+}
+
+inline const std::vector<std::string>& known_isas() {
+  static const std::vector<std::string> names = {"avx512", "avx2", "scalar"};
+  return names;
+}
+
+inline int isa_index(const std::string& isa) {
+  for (size_t i = 0; i < known_isas().size(); ++i)
+    if (known_isas()[i] == isa) return static_cast<int>(i);
+  TORCH_CHECK(false, "KIMI_RL_ISA must be one of avx512, avx2, scalar, got '", isa, "'");
+}
+
+inline void check_runnable(const std::string& isa) {
+  isa_index(isa);
+  TORCH_CHECK(cpu_has(isa), "KIMI_RL_ISA=", isa, ": this CPU cannot run the ", isa, " kernels");
+}
+
+// An index into known_isas(); an inline function's static is one object across libraries'
+// translation units, so gemm.cpp and elementwise.cpp see the same choice.
+inline std::atomic<int>& isa_slot() {
+  static std::atomic<int> slot([] {
+    const char* env = std::getenv("KIMI_RL_ISA");
+    const std::string isa = env != nullptr && *env != '\0' ? std::string(env) : isas().front();
+    check_runnable(isa);
+    return isa_index(isa);
+  }());
+  return slot;
+}
+
+// The path of every op called without an explicit one.
+inline std::string current_isa() { return known_isas()[isa_slot().load()]; }
+
+inline void set_isa(const std::string& isa) {
+  check_runnable(isa);
+  isa_slot().store(isa_index(isa));
 }
 
 }  // namespace kimi_parity

@@ -99,3 +99,29 @@ def test_patches_restore_what_they_replace():
     with keep_set_num_threads():
         torch.set_num_threads = lambda n: None
     assert dist.destroy_process_group is destroy and torch.set_num_threads is set_threads
+
+
+def test_sampler_patch_needed_and_applies(model_factory, monkeypatch):
+    """Patch 5. Needed: vLLM's own sampler draws from the worker's global generator, so the
+    same requests sample other tokens after another reseed. Applies: with the parity sampler
+    installed, the request keys alone decide, whatever the generator holds."""
+    from parity.sampling import Sampling, request_key
+    from rollout.engine import RolloutEngine
+
+    model_dir = model_factory("llama", "fp32")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20, [10, 11]]
+    keys = [request_key(0, 0, i, 0) for i in range(len(prompts))]
+
+    def two_draws() -> tuple[bool, list, list]:
+        with RolloutEngine(model_dir, max_model_len=64, max_num_seqs=4, multiprocess=False) as engine:
+            draws = []
+            for seed in (1, 2):
+                engine.reseed(seed)
+                draws.append([c.token_ids for c in engine.generate(prompts, 12, Sampling(), keys=keys)])
+            return engine.parity_sampler, *draws
+
+    installed, first, second = two_draws()
+    assert installed and first == second
+    monkeypatch.setattr("rollout.engine.install_parity_sampler", lambda runner: False)
+    installed, first, second = two_draws()
+    assert not installed and first != second

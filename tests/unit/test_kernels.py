@@ -76,6 +76,37 @@ def test_rope_depends_only_on_position(t, d, dtype, seed):
     assert torch.equal(kernels.apply_rope(x[-1:], pos[-1:], table)[0], full[-1])
 
 
+ROPE_CASES = [(128, 1000000.0, 40960), (64, 10000.0, 4096), (16, 500000.0, 1 << 20)]
+
+
+@pytest.mark.parametrize(("head_dim", "base", "positions"), ROPE_CASES)
+def test_rope_table_is_its_statement_on_every_code_path(head_dim, base, positions):
+    """cos / sin of the fp32 angle t * inv_freq, rounded once from float64 (inv_freq =
+    1 / fp32(base ^ (2j / d))): the same bits on every ISA path this CPU runs, and within
+    torch's own float error of torch's table (which loses bits at large angles)."""
+    from parity import native
+
+    cos, sin = kernels.rope_table(head_dim, base, positions)
+    for isa in native.cpu_isas():
+        c, s = native.ops().rope_table_on(head_dim, base, positions, isa)
+        assert torch.equal(c, cos) and torch.equal(s, sin), isa
+    exponent = torch.arange(0, head_dim, 2).float() / head_dim
+    inv_freq = 1.0 / torch.tensor([base ** e for e in exponent.tolist()], dtype=torch.float32)
+    angle = torch.outer(torch.arange(positions).float(), inv_freq).double()
+    assert torch.equal(cos, angle.cos().float()) and torch.equal(sin, angle.sin().float())
+    want_cos, want_sin = kernels._rope_table_reference(head_dim, base, positions)
+    assert (cos - want_cos).abs().max() < 1e-4 and (sin - want_sin).abs().max() < 1e-4
+
+
+def test_rope_table_refuses_bad_shapes():
+    from parity import native
+
+    with pytest.raises(RuntimeError, match="head_dim must be even"):
+        native.ops().rope_table(7, 10000.0, 8)
+    with pytest.raises(RuntimeError, match="max_positions must be in"):
+        native.ops().rope_table(8, 10000.0, (1 << 24) + 1)
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     length=st.integers(1, 200), hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 3]),
@@ -175,12 +206,12 @@ def test_log_softmax_row_invariant(rows, vocab, dtype, seed, pick):
     assert torch.equal(kernels.log_softmax(logits[i : i + 1])[0], kernels.log_softmax(logits)[i])
 
 
-def test_log_softmax_is_vllms_sampler_op():
-    """vLLM's sampler computes its log-probs with this very op; if vLLM changes it, this fails."""
-    from vllm.v1.sample.sampler import Sampler
+def test_log_softmax_is_the_rollout_samplers_op():
+    """The rollout's sampler computes its raw and prompt log-probs with this very op."""
+    from rollout.sampler import ParitySampler
 
     logits = _randn(0, 7, 512, dtype=torch.bfloat16)
-    assert torch.equal(Sampler.compute_logprobs(logits), kernels.log_softmax(logits))
+    assert torch.equal(ParitySampler.compute_logprobs(logits), kernels.log_softmax(logits))
 
 
 @pytest.mark.parametrize("device", [
