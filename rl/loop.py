@@ -103,6 +103,17 @@ def rollout_seed(seed: int, step: int, worker: int, turn: int = 0) -> int:
     return (seed * 1_000_003 + step * 10_007 + worker + turn * 7_919) % (2**31 - 1)
 
 
+def sample_keys(seed: int, step: int, n: int, turn: int = 0) -> list[int]:
+    """The parity sampler's request keys of a step's `n` prompts (parity.sampling.request_key),
+    by each prompt's index in the whole step: a prompt samples the same tokens whichever
+    rollout worker gets it, so the run does not depend on the number of workers. Under one
+    worker they are the keys that worker's engine would make itself."""
+    from parity.sampling import request_key
+
+    worker_seed = rollout_seed(seed, step, 0, turn)
+    return [request_key(worker_seed, 0, i, 0) for i in range(n)]
+
+
 def split(items: list, parts: int) -> list[list]:
     """Contiguous, nearly equal parts (the first ones one longer)."""
     size, extra = divmod(len(items), parts)
@@ -185,9 +196,12 @@ class Run:
 
         r = self.cfg.rollout
         parts = split(prompts, len(self.workers))
+        keys = split(sample_keys(self.cfg.seed, step, len(prompts), turn), len(self.workers))
+        # The worker seed reseeds only stock vLLM's sampler (parity off); parity engines draw
+        # from the keys alone.
         futures = [
-            w.generate.remote(p, r.max_tokens, r.sampling(), rollout_seed(self.cfg.seed, step, i, turn))
-            for i, (w, p) in enumerate(zip(self.workers, parts, strict=True)) if p
+            w.generate.remote(p, r.max_tokens, r.sampling(), rollout_seed(self.cfg.seed, step, i, turn), k)
+            for i, (w, p, k) in enumerate(zip(self.workers, parts, keys, strict=True)) if p
         ]
         return [c for part in ray.get(futures) for c in part]
 

@@ -43,11 +43,14 @@ class RolloutWorker:
         )
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int, sampling: Sampling, seed: int
+        self, prompts: list[list[int]], max_tokens: int, sampling: Sampling, seed: int,
+        keys: list[int] | None = None,
     ) -> list[dict]:
-        """Sample one completion per prompt; returns token ids and rollout log-probs."""
+        """Sample one completion per prompt; returns token ids and rollout log-probs. `seed`
+        reseeds the engine (stock vLLM samples from it); `keys` are the parity sampler's
+        request keys (RolloutEngine.generate)."""
         self.engine.reseed(seed)
-        done = self.engine.generate(prompts, max_tokens=max_tokens, sampling=sampling)
+        done = self.engine.generate(prompts, max_tokens=max_tokens, sampling=sampling, keys=keys)
         return [
             {"prompt_ids": c.prompt_ids, "token_ids": c.token_ids, "rollout_logprobs": c.rollout_logprobs}
             for c in done

@@ -77,6 +77,20 @@ def test_ppo_with_lora_two_workers(ppo_run):
                       .read_text())["r"] == cfg.lora.rank
 
 
+def test_one_worker_samples_what_two_workers_sample(ppo_run, model_factory, tmp_path):
+    """Sampling keys follow a prompt's index in the step, not its worker (rl.loop.sample_keys):
+    the same run on one rollout worker samples the same tokens, so every step's metrics and
+    the trained adapter are bitwise those of the two-worker run."""
+    _, run_dir = ppo_run
+    one = tmp_path / "one"
+    train(_config(model_factory("llama"), one, "algorithm.name=ppo", "total_steps=3",
+                  "rollout.num_workers=1", "algorithm.kl_coef=0.01", "sync.hooks=[checksum,timing,parity_probe]"))
+    keys = ("reward/mean", "response/length_mean", "ppo/kl", "ppo/entropy", "ref/kl")
+    assert [[r[k] for k in keys] for r in read_metrics(one)] == [[r[k] for k in keys] for r in read_metrics(run_dir)]
+    two, single = _adapter(run_dir), _adapter(one)
+    assert two.keys() == single.keys() and all(torch.equal(two[k], single[k]) for k in two)
+
+
 def test_checkpoint_adapter_loads_in_stock_vllm(ppo_run, model_factory):
     """The peft adapter of a checkpoint serves in stock vLLM (--enable-lora): its log-probs
     follow the trained adapter (close to the parity trainer's, not bitwise: stock kernels)."""

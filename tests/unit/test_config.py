@@ -351,3 +351,15 @@ def test_env_config_loads(write) -> None:
                             "rollout:\n  max_turns: 4\n  max_trajectory_tokens: 256\n"))
     assert (cfg.env.name, cfg.env.kwargs, cfg.rollout.max_turns) == ("tools", {"tools": ["calculator", "python"]}, 4)
     assert load_config(write()).env.name is None and load_config(write()).rollout.max_turns == 1
+
+
+def test_sample_keys_under_one_worker_are_the_engines_own():
+    """rl.loop.sample_keys at one worker: the keys RolloutEngine.generate makes itself after
+    the worker's reseed, so one-worker runs sample what they sampled before keys were global."""
+    from parity.sampling import request_key
+    from rl.loop import rollout_seed, sample_keys
+
+    for step, turn in ((1, 0), (7, 2)):
+        seed = rollout_seed(3, step, 0, turn)
+        assert sample_keys(3, step, 5, turn) == [request_key(seed, 0, i, 0) for i in range(5)]
+    assert len(set(sample_keys(3, 1, 64))) == 64
