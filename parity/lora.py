@@ -12,6 +12,9 @@ contribute exact zeros. A fresh adapter (B = 0) therefore leaves the base output
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from parity import kernels
@@ -27,6 +30,49 @@ FUSED_PARTS = {
 }
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """A LoRA adapter's form, fixed for a whole run: rank, targets and scaling (alpha / rank).
+    A rollout engine that captures CUDA graphs holds a zero adapter of this form from before
+    the capture on, and every sync copies into it (rollout/sync.py): a captured graph replays
+    the buffers and the scaling it saw at capture."""
+
+    rank: int
+    targets: tuple[str, ...]
+    scaling: float
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"adapter rank must be >= 1, got {self.rank}")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if not self.targets or unknown:
+            raise ValueError(f"adapter targets must be a non-empty subset of {TARGETS}, got {self.targets}")
+        if not math.isfinite(self.scaling):
+            raise ValueError(f"adapter scaling must be finite, got {self.scaling}")
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "targets": list(self.targets), "scaling": self.scaling}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AdapterLayout:
+        return cls(int(d["rank"]), tuple(d["targets"]), float(d["scaling"]))
+
+
+def adapter_shapes(spec, layout: AdapterLayout) -> dict[str, tuple[int, int]]:
+    """{peft name: shape} of every tensor of a `layout` adapter on a Llama-family model, in the
+    trainer's order (layer, fused linear, part, A before B: trainer.megatron.lora.peft_state_dict),
+    so a sync's wire index (parity.wire) equals the reserved one."""
+    shapes = part_shapes(spec)
+    out = {}
+    for layer in range(spec.num_layers):
+        for parts in FUSED_PARTS.values():
+            for target in (t for t in parts if t in layout.targets):
+                fan_in, fan_out = shapes[target]
+                out[peft_key(layer, target, "A")] = (layout.rank, fan_in)
+                out[peft_key(layer, target, "B")] = (fan_out, layout.rank)
+    return out
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -5,6 +5,7 @@ model that already holds an adapter in the same layout takes a whole sync as one
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -15,16 +16,37 @@ ALIGN = 64  # every tensor starts aligned, so views of any dtype need no copy
 
 
 def pack_tensors(tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, Index]:
-    entries = []
-    offset = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    flat = torch.empty(offset, dtype=torch.uint8)
-    for (_, _, _, start, nbytes), t in zip(entries, tensors.values(), strict=True):
+    index = _index((name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+    flat = torch.empty(_nbytes(index), dtype=torch.uint8)
+    for (_, _, _, start, nbytes), t in zip(index, tensors.values(), strict=True):
         flat[start : start + nbytes] = t.detach().contiguous().view(-1).view(torch.uint8)
-    return flat.numpy(), tuple(entries)
+    return flat.numpy(), index
+
+
+def index_for(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> Index:
+    """The index pack_tensors gives tensors of these names and shapes (in this order) and dtype."""
+    return _index((name, dtype, tuple(shape)) for name, shape in shapes.items())
+
+
+def empty_buffer(index: Index, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed flat buffer for `index`, on `device`."""
+    return torch.zeros(_nbytes(index), dtype=torch.uint8, device=device)
+
+
+def _index(entries) -> Index:
+    out, offset = [], 0
+    for name, dtype, shape in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        out.append((name, str(dtype).removeprefix("torch."), shape, offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return tuple(out)
+
+
+def _nbytes(index: Index) -> int:
+    if not index:
+        return 0
+    _, _, _, start, nbytes = index[-1]
+    return start + -(-nbytes // ALIGN) * ALIGN
 
 
 def as_bytes_tensor(flat: np.ndarray | torch.Tensor | bytes) -> torch.Tensor:

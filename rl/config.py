@@ -452,6 +452,9 @@ def _check_model_fit(cfg: Config, sources: _Sources, model_dir: Path) -> None:
             if module in KIMI_ONLY_LORA_MODULES:
                 raise err("lora.target_modules", f"{module!r} exists in kimi-mini's MLA layers only, "
                           f"not in {architectures[0]}")
+    if architectures[0] == "KimiMiniForCausalLM" and cfg.lora.enabled and not cfg.rollout.enforce_eager:
+        raise err("rollout.enforce_eager", "is false with lora on kimi-mini: its parity model cannot "
+                  "reserve the adapter before vLLM compiles and captures (Llama and Qwen3 can)")
     if cfg.trainer.backend == "deepspeed":
         _check_deepspeed(cfg, sources, architectures[0])
 

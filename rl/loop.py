@@ -42,6 +42,7 @@ import torch
 from rich.markup import escape
 
 from parity.compare import compare_logprobs
+from parity.lora import AdapterLayout
 from rl.config import Config, dump_config
 from rl.errors import UserError, user_error
 from rl.metrics import MetricsLog, Wandb, plot_curves
@@ -101,6 +102,13 @@ def rollout_seed(seed: int, step: int, worker: int, turn: int = 0) -> int:
     """The sampling seed of one worker at one step (and turn, for multi-turn rollouts): a pure
     function, so resume is exact."""
     return (seed * 1_000_003 + step * 10_007 + worker + turn * 7_919) % (2**31 - 1)
+
+
+def _reserved_layout(cfg: Config) -> AdapterLayout | None:
+    """The adapter a non-eager rollout engine holds from start (its graphs replay its buffers)."""
+    if cfg.rollout.enforce_eager or not cfg.lora.enabled or not cfg.parity.enabled:
+        return None
+    return AdapterLayout(cfg.lora.rank, tuple(cfg.lora.target_modules), cfg.lora.alpha / cfg.lora.rank)
 
 
 def sample_keys(seed: int, step: int, n: int, turn: int = 0) -> list[int]:
@@ -181,6 +189,7 @@ class Run:
                 max_model_len=max_len, max_num_seqs=cfg.rollout.max_num_seqs,
                 max_num_batched_tokens=cfg.rollout.max_num_batched_tokens,
                 tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                enforce_eager=cfg.rollout.enforce_eager, adapter_layout=_reserved_layout(cfg),
             )
         )
         self.workers = [self._make_worker(i) for i in range(n)]

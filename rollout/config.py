@@ -26,6 +26,9 @@ class RolloutConfig:
     max_num_seqs: int = setting(64, ge=1)
     max_num_batched_tokens: int | None = setting(None, ge=1)  # None keeps vLLM's default
     tensor_parallel_size: int = setting(1, ge=1)
+    # false: vLLM's default mode (torch.compile, and CUDA graphs on a GPU). A LoRA adapter is
+    # then reserved at start and every sync copies into it (rollout/sync.py, reserve_adapter).
+    enforce_eager: bool = True
 
     def sampling(self) -> Sampling:
         """The sampling parameters both sides use (ValueError for a temperature vLLM would

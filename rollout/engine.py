@@ -44,8 +44,10 @@ import torch
 
 from parity import kernels, model_spec, weights
 from parity.dtypes import dtype_string, torch_dtype
+from parity.lora import AdapterLayout, adapter_shapes
 from parity.model_spec import KimiSpec, load_spec
 from parity.sampling import Sampling, request_key
+from parity.wire import Index, index_for, unpack_tensors
 from rollout.vllm_patches import (
     install_parity_sampler,
     keep_default_process_group,
@@ -223,13 +225,21 @@ class RolloutEngine:
         multiprocess: bool = True,
         tensor_parallel_size: int = 1,
         prefix_caching: bool | None = None,
+        adapter_layout: AdapterLayout | None = None,
     ) -> None:
         torch_dtype(dtype)  # ValueError for an unknown name, before anything starts
+        if adapter_layout is not None and not parity:
+            raise ValueError("adapter_layout needs a parity engine (parity=True)")
+        self.adapter_layout = adapter_layout
         self.model_dir = str(model_dir)
         self.dtype = dtype
         self.parity = parity
         self.multiprocess = multiprocess
         self.spec = load_spec(self.model_dir) if parity else None
+        if adapter_layout is not None:
+            if isinstance(self.spec, KimiSpec):
+                raise ValueError("adapter_layout: the Kimi parity model cannot reserve an adapter yet")
+            self._reserved_index = index_for(adapter_shapes(self.spec, adapter_layout), torch_dtype(dtype))
         if prefix_caching is None:  # on where it is tested bitwise (see the module docstring)
             from vllm.platforms import current_platform
 
@@ -268,6 +278,8 @@ class RolloutEngine:
         kwargs = {}
         if parity:
             kwargs["hf_overrides"] = {"architectures": [parity_architecture(self.model_dir)]}
+            if adapter_layout is not None:  # the model reserves it before any graph is captured
+                kwargs["hf_overrides"]["kimi_rl_adapter"] = adapter_layout.as_dict()
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         if tensor_parallel_size > 1:
@@ -432,13 +444,25 @@ class RolloutEngine:
                 f"{what} needs a parity engine (parity=True); stock vLLM LoRA is not supported"
             )
 
-    def _require_eager_for_adapters(self, what: str) -> None:
-        # A graph captured at start replays the layers as they were then: an adapter set
-        # later would be left out of every captured batch (docs/gpu.md, "LoRA and CUDA graphs").
-        if self._captures_cuda_graphs:
+    def _require_capturable_adapter(self, what: str, scaling: float) -> None:
+        # A graph captured at start replays the buffers and the scaling it saw then: an adapter
+        # must be reserved before the capture (adapter_layout), and keep that scaling.
+        if self._captures_cuda_graphs and self.adapter_layout is None:
             raise ValueError(
-                f"{what}: LoRA adapters need an eager engine on CUDA (enforce_eager=True,"
-                " `--cuda-graphs off`): vLLM's CUDA graphs were captured without the adapter"
+                f"{what}: a LoRA adapter on a CUDA-graph engine must be reserved at start"
+                " (RolloutEngine(adapter_layout=...); rollout.cuda_graphs with lora), or run eager"
+            )
+        if self.adapter_layout is not None and float(scaling) != self.adapter_layout.scaling:
+            raise ValueError(
+                f"{what}: scaling {scaling}, but this engine reserved its adapter with"
+                f" scaling {self.adapter_layout.scaling} (fixed for the run)"
+            )
+
+    def _require_reserved_index(self, index: Index) -> None:
+        if index != self._reserved_index:
+            raise ValueError(
+                f"this engine reserved a LoRA adapter of {len(self._reserved_index)} tensors"
+                f" ({self.adapter_layout}) and takes only that form; got {len(index)} tensors in another layout"
             )
 
     def set_adapter(self, tensors: Tensors, scaling: float) -> None:
@@ -446,11 +470,16 @@ class RolloutEngine:
         peft name (parity.lora.peft_key) in the engine dtype, e.g.
         trainer.megatron.lora.rollout_tensors(model); `scaling` = alpha / rank."""
         self._require_parity("set_adapter")
-        self._require_eager_for_adapters("set_adapter")
+        self._require_capturable_adapter("set_adapter", scaling)
         # The worker checks again; checking here first raises ValueError in this process
         # (across processes vLLM turns a worker's exception into a bare Exception) and sends
         # nothing that would be refused.
         check_adapter(self.spec, self.dtype, tensors, scaling)
+        if self.adapter_layout is not None:
+            self._require_reserved_index(index_for(
+                {n: tuple(tensors[n].shape) for n, *_ in self._reserved_index if n in tensors}
+                | {n: tuple(t.shape) for n, t in tensors.items()}, torch_dtype(self.dtype)
+            ))
         self._rpc("kimi_rl_set_adapter", self._pack(tensors), float(scaling))
         self._reset_prefix_cache()
 
@@ -459,15 +488,15 @@ class RolloutEngine:
         and its index. Checked like set_adapter the first time a layout arrives; after that a
         sync is one copy into the buffer the model computes from."""
         self._require_parity("set_adapter_packed")
-        self._require_eager_for_adapters("set_adapter_packed")
-        index = tuple(index)
         if not math.isfinite(scaling):
             raise ValueError(f"scaling must be finite, got {scaling}")
+        self._require_capturable_adapter("set_adapter_packed", scaling)
+        index = tuple(index)
+        if self.adapter_layout is not None:
+            self._require_reserved_index(tuple((n, d, tuple(shape), o, b) for n, d, shape, o, b in index))
         if index != getattr(self, "_checked_index", None):
             # As in set_adapter: refuse a bad adapter here, before the worker sees it (across
             # processes vLLM turns a worker's exception into a bare one). Once per layout.
-            from parity.wire import unpack_tensors
-
             _checks(self.spec).adapter_pairs(self.spec, torch_dtype(self.dtype), unpack_tensors(flat, index), scaling)
             self._checked_index = index
         if self.multiprocess:  # vLLM's IPC carries bytes, not arrays
@@ -478,6 +507,9 @@ class RolloutEngine:
     def clear_adapter(self) -> None:
         """Back to the base model, bitwise."""
         self._require_parity("clear_adapter")
+        if self.adapter_layout is not None:
+            raise ValueError("clear_adapter: this engine reserved its adapter at start (adapter_layout);"
+                             " it keeps one for the run")
         self._rpc("kimi_rl_clear_adapter")
         self._reset_prefix_cache()
 

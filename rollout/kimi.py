@@ -508,8 +508,7 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
             mine = {path: pairs[path] for path, _ in linear.parts if path in pairs}
             if copy:  # copies, never references (in-process they may be the trainer's tensors)
                 mine = {
-                    p: (a.clone(memory_format=torch.contiguous_format), b.clone(memory_format=torch.contiguous_format))
-                    for p, (a, b) in mine.items()
+                    p: (_held_copy(a, linear.weight), _held_copy(b, linear.weight)) for p, (a, b) in mine.items()
                 }
             linear.pairs = mine
             linear.scaling = float(scaling)
@@ -525,3 +524,8 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
             for path, pair in linear.pairs.items():
                 for which, t in zip("AB", pair, strict=True):
                     yield kimi.peft_name(path, which), t
+
+
+def _held_copy(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of an adapter tensor on the weight's device (a sync arrives on the host)."""
+    return t.to(weight.device, copy=True, memory_format=torch.contiguous_format)

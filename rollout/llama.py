@@ -36,7 +36,16 @@ import torch
 from torch import nn
 
 from parity import kernels, layouts, tp, weights
-from parity.lora import FUSED_PARTS, TARGETS, Pair, fused_delta, part_shapes, peft_key
+from parity.lora import (
+    FUSED_PARTS,
+    TARGETS,
+    AdapterLayout,
+    Pair,
+    adapter_shapes,
+    fused_delta,
+    part_shapes,
+    peft_key,
+)
 from parity.model_spec import ModelSpec
 from rollout.attention import ParityAttentionBackend
 from rollout.sync import PackedWeight, SyncedModel
@@ -90,9 +99,9 @@ class _FusedLinear(PackedWeight):
                 old[1].copy_(b)
                 held[name] = old
             else:
-                held[name] = (
-                    a.clone(memory_format=torch.contiguous_format),
-                    b.clone(memory_format=torch.contiguous_format),
+                # on the weight's device: a sync arrives on the host
+                held[name] = tuple(
+                    t.to(self.weight.device, copy=True, memory_format=torch.contiguous_format) for t in (a, b)
                 )
         self.pairs = held
         self.scaling = scaling
@@ -305,6 +314,11 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
                 self.spec.hidden_size, dtype=self.dtype,
             )
         self._shard_kinds = weights.shard_kinds(self.spec, "rollout")
+        # RolloutEngine(adapter_layout=...) asks, through hf_overrides, for an adapter reserved
+        # now: before vLLM captures its CUDA graphs (rollout/sync.py, reserve_adapter).
+        layout = getattr(model_config.hf_config, "kimi_rl_adapter", None)
+        if layout is not None:
+            self.reserve_adapter(AdapterLayout.from_dict(layout))
 
     def _check_spec(self, spec: ModelSpec) -> None:
         if spec.qk_norm:
@@ -394,6 +408,9 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
 
     def _adapter_pairs(self, tensors: dict[str, torch.Tensor], scaling: float):
         return adapter_pairs(self.spec, self.dtype, tensors, scaling)
+
+    def _adapter_shapes(self, layout: AdapterLayout) -> dict[str, tuple[int, ...]]:
+        return adapter_shapes(self.spec, layout)
 
     def _adapter_linears(self) -> Iterator[_FusedLinear]:
         return (linear for _, linear in self._fused_linears())

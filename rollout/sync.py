@@ -9,6 +9,7 @@ these. A model supplies only what differs by architecture:
 
     spec                                        its parity.model_spec spec (names: parity/weights.py)
     _adapter_pairs(tensors, scaling) -> pairs   check an adapter against the model (ValueError)
+    _adapter_shapes(layout) -> {name: shape}    the tensors of a reserved adapter (reserve_adapter)
     _hold(pairs, scaling, copy)                 hand each linear its pairs (copies if copy)
     _held() -> [(peft name, tensor)]            the adapter tensors it holds now
     _adapter_linears() -> linears               the linears that hold adapter pairs
@@ -27,7 +28,8 @@ from torch import nn
 
 from parity import kernels, weights
 from parity.compare import tensor_checksum
-from parity.wire import Index, as_bytes_tensor, unpack_tensors
+from parity.lora import AdapterLayout
+from parity.wire import Index, as_bytes_tensor, empty_buffer, index_for, unpack_tensors
 
 
 class PackedWeight(nn.Module):
@@ -54,6 +56,7 @@ class PackedWeight(nn.Module):
 
 class SyncedModel:
     _packed: tuple[torch.Tensor, Index] | None = None  # the held adapter buffer, if packed
+    _reserved: AdapterLayout | None = None  # the adapter form fixed at start (reserve_adapter)
 
     # --- per architecture ---------------------------------------------------------------------
 
@@ -65,6 +68,9 @@ class SyncedModel:
 
     def _held(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError
+
+    def _adapter_shapes(self, layout: AdapterLayout) -> dict[str, tuple[int, ...]]:
+        raise ValueError(f"{type(self).__name__} cannot reserve an adapter (Llama and Qwen3 can)")
 
 
     def _weights_changed(self) -> None:
@@ -87,12 +93,31 @@ class SyncedModel:
 
     # --- LoRA adapter ----------------------------------------------------------------------------
 
+    def reserve_adapter(self, layout: AdapterLayout) -> None:
+        """Hold a zero adapter of `layout` from now on, in one buffer on the model's device,
+        for the whole run: every later sync copies into it (same pointers, same scaling), so
+        CUDA graphs captured after this call compute with each synced adapter. A zero adapter
+        is what the trainer's fresh LoRA computes too (B = 0: exact zeros added)."""
+        index = index_for(self._adapter_shapes(layout), self.dtype)
+        buf = empty_buffer(index, self._device())
+        self._hold(self._adapter_pairs(unpack_tensors(buf, index), layout.scaling), layout.scaling, copy=False)
+        self._packed, self._reserved = (buf, index), layout
+
     def set_adapter(self, tensors: dict[str, torch.Tensor], scaling: float) -> None:
         """Hold a LoRA adapter, replacing the previous one: `tensors` by peft name, in the model
         dtype; `scaling` = alpha / rank. Everything is checked before anything changes, so a bad
         adapter leaves the held one in place. The model holds copies (in-process, the caller's
         tensors may be the trainer's live parameters)."""
         pairs = self._adapter_pairs(tensors, scaling)
+        if self._reserved is not None:
+            buf, index = self._packed
+            order = {name: i for i, (name, *_) in enumerate(index)}
+            names = sorted(tensors, key=lambda n: order.get(n, len(order)))
+            self._check_reserved(index_for({n: tuple(tensors[n].shape) for n in names}, self.dtype), index, scaling)
+            with torch.no_grad():
+                for name, view in unpack_tensors(buf, index).items():
+                    view.copy_(tensors[name])
+            return
         self._packed = None  # the held tensors are no longer views of a packed buffer
         with torch.no_grad():
             self._hold(pairs, float(scaling), copy=True)
@@ -107,14 +132,28 @@ class SyncedModel:
         # Across processes the index arrives as lists; compare and view with tuples.
         index = tuple((n, d, tuple(shape), o, b) for n, d, shape, o, b in index)
         held = self._packed
+        if self._reserved is not None:
+            self._check_reserved(index, held[1], scaling)
         if held is not None and held[1] == index and held[0].numel() == incoming.numel():
             held[0].copy_(incoming)
             self._set_scaling(float(scaling))
             return
-        buf = incoming.clone()
+        buf = incoming.to(self._device(), copy=True)
         pairs = self._adapter_pairs(unpack_tensors(buf, index), scaling)
         self._hold(pairs, float(scaling), copy=False)
         self._packed = (buf, index)
+
+    def _check_reserved(self, index: Index, reserved: Index, scaling: float) -> None:
+        if index != reserved:
+            raise ValueError(
+                f"this engine reserved a LoRA adapter at start ({self._reserved}, {len(reserved)} tensors)"
+                f" and takes only that form; this one has {len(index)} tensors in another layout"
+            )
+        if float(scaling) != self._reserved.scaling:
+            raise ValueError(
+                f"this engine reserved a LoRA adapter with scaling {self._reserved.scaling} at start"
+                f" (CUDA graphs keep it); got {scaling}"
+            )
 
     def _set_scaling(self, scaling: float) -> None:
         for linear in self._adapter_linears():
@@ -123,8 +162,13 @@ class SyncedModel:
     def _adapter_linears(self):
         raise NotImplementedError
 
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device
+
     def clear_adapter(self) -> None:
         """Drop the adapter: every linear takes the base path again, bitwise."""
+        if self._reserved is not None:
+            raise ValueError("this engine reserved a LoRA adapter at start (CUDA graphs): it cannot drop it")
         self._packed = None
         self._hold({}, 0.0, copy=False)
 

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import torch
 
+from parity.lora import AdapterLayout
 from parity.sampling import Sampling
 from parity.wire import Index, unpack_tensors
 from rollout.engine import RolloutEngine
@@ -30,7 +31,7 @@ class RolloutWorker:
     def __init__(
         self, index: int, model_dir: str, *, dtype: str, parity: bool, seed: int,
         max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int | None,
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int = 1, enforce_eager: bool = True, adapter_layout: AdapterLayout | None = None,
     ) -> None:
         _set_threads()
         self.index = index
@@ -40,6 +41,7 @@ class RolloutWorker:
             model_dir, dtype=dtype, parity=parity, seed=seed, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             multiprocess=tensor_parallel_size > 1, tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager, adapter_layout=adapter_layout,
         )
 
     def generate(

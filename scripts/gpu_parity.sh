@@ -41,12 +41,16 @@ check() {  # check NAME MODEL EXTRA_ARGS...: stock models on Triton attention (n
     run "$name" 150 $PY scripts/gpu_stock_triton.py rl.cli parity check --model "$MODELS/$model" --dtype bf16 \
         --batch-sizes 1,8,32 --num-prompts 8 --max-tokens 32 --report "$OUT_DIR/$name" "$@"
 }
+[ -d "$MODELS/tiny-llama-adapter" ] || $PY scripts/random_adapter.py "$MODELS/tiny-llama" \
+    "$MODELS/tiny-llama-adapter" >"$OUT_DIR/init-adapter.log" 2>&1
 check llama-graphs tiny-llama --cuda-graphs on
+check llama-lora-graphs tiny-llama --cuda-graphs on --adapter "$MODELS/tiny-llama-adapter"
 check mid-graphs mid-llama --cuda-graphs on
 run rollout-speed 230 $PY scripts/gpu_stock_triton.py scripts/bench_gpu.py --only rollout_speed \
     --models "$MODELS/tiny-llama,$MODELS/mid-llama" --out "$OUT_DIR/rollout_speed.json"
 check qwen3-graphs tiny-qwen3 --cuda-graphs on
 check llama-eager tiny-llama
+check llama-lora-eager tiny-llama --adapter "$MODELS/tiny-llama-adapter"
 check qwen3-eager tiny-qwen3
 check llama-off-graphs tiny-llama --parity off --cuda-graphs on
 check llama-sampled tiny-llama --cuda-graphs on --temperature 0.7 --top-p 0.9 --top-k 20

@@ -273,3 +273,54 @@ def test_invalid_weights_are_refused(case):
     with torch.no_grad(), adapters_disabled(case.trainer):
         expected = sequence_logprobs(case.trainer, [seq], [1])[0]
     assert torch.equal(engine.prompt_logprobs([seq])[0], expected)
+
+
+def test_reserved_adapter_takes_every_sync_in_place(model_factory, megatron):
+    """An engine that reserves its adapter at start (what CUDA graphs need: rollout/sync.py,
+    reserve_adapter): a zero adapter in the trainer's layout before any sync; every sync, packed
+    or by dict, copies into the same storage, and rollout == trainer bitwise each time; another
+    scaling, another layout and clear_adapter are refused and leave the held adapter."""
+    from parity.lora import AdapterLayout
+    from parity.wire import pack_tensors
+    from trainer.megatron.lora import apply_lora, rollout_tensors
+    from trainer.megatron.model import load_model
+
+    model_dir = model_factory("llama", "bf16")
+    targets = ("q_proj", "v_proj", "o_proj", "down_proj")  # fused linears with parts left out too
+    trainer = load_model(model_dir, "bf16", parity=True).eval()
+    apply_lora(trainer, ModelSpec.from_dir(model_dir), RANK, ALPHA, list(targets), seed=0)
+    layout = AdapterLayout(RANK, targets, ALPHA / RANK)
+    engine = RolloutEngine(model_dir, dtype="bf16", max_model_len=256, multiprocess=False, adapter_layout=layout)
+    rng = random.Random(0)
+    case = SimpleNamespace(
+        engine=engine, trainer=trainer, scaling=layout.scaling, multiprocess=False,
+        prompts=[[rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)] for n in PROMPT_LENS],
+    )
+    try:
+        fresh = rollout_tensors(trainer)
+        held = engine.adapter_checksums()
+        assert list(held) == list(fresh)  # the trainer's order, so the wire index is the reserved one
+        assert all(held[k] == digest(torch.zeros_like(v)) for k, v in fresh.items())
+        storage = engine.llm.collective_rpc(_held_adapter_storage)
+        for seed in (1, 2):
+            randomize_adapter(trainer, seed=seed, std=0.05)
+            tensors = rollout_tensors(trainer)
+            engine.set_adapter_packed(*pack_tensors(tensors), layout.scaling)
+            assert engine.adapter_checksums() == {k: digest(v) for k, v in tensors.items()}
+            assert_rollout_equals_trainer(case)
+            assert engine.llm.collective_rpc(_held_adapter_storage) == storage
+        randomize_adapter(trainer, seed=3, std=0.05, which="A")
+        push_adapter(case)
+        assert_rollout_equals_trainer(case)
+        assert engine.llm.collective_rpc(_held_adapter_storage) == storage
+        held = engine.adapter_checksums()
+        tensors = rollout_tensors(trainer)
+        with pytest.raises(ValueError, match="scaling"):
+            engine.set_adapter_packed(*pack_tensors(tensors), 2 * layout.scaling)
+        with pytest.raises(ValueError, match="reserved"):
+            engine.set_adapter_packed(*pack_tensors({k: v for k, v in tensors.items() if "v_proj" not in k}), layout.scaling)
+        with pytest.raises(ValueError, match="reserved"):
+            engine.clear_adapter()
+        assert engine.adapter_checksums() == held
+    finally:
+        engine.close()

@@ -91,6 +91,14 @@ def test_one_worker_samples_what_two_workers_sample(ppo_run, model_factory, tmp_
     assert two.keys() == single.keys() and all(torch.equal(two[k], single[k]) for k in two)
 
 
+def test_compiled_rollout_with_a_reserved_adapter(model_factory, tmp_path):
+    """`rollout.enforce_eager: false` (vLLM's default mode: torch.compile, CUDA graphs on a GPU):
+    the engine holds the adapter from start and each sync copies into it; every step bitwise."""
+    run_dir = tmp_path / "compiled"
+    train(_config(model_factory("qwen3"), run_dir, "total_steps=2", "rollout.enforce_eager=false"))
+    _assert_every_step_bitwise(read_metrics(run_dir), 2)
+
+
 def test_checkpoint_adapter_loads_in_stock_vllm(ppo_run, model_factory):
     """The peft adapter of a checkpoint serves in stock vLLM (--enable-lora): its log-probs
     follow the trained adapter (close to the parity trainer's, not bitwise: stock kernels)."""
