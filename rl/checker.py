@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from parity import native
 from parity.compare import compare_logprobs
 from parity.dtypes import torch_dtype
 from parity.kernels import kernel_info
@@ -67,6 +68,7 @@ class CheckArgs:
     cuda_graphs: bool = False  # vLLM's default mode (torch.compile + CUDA graphs) instead of eager
     trainer: str = "megatron"  # the trainer backend that re-scores: megatron | deepspeed
     zero_stage: int = 2  # deepspeed's ZeRO stage
+    rollout_isa: str | None = None  # the rollout's compiled-kernel path, if not KIMI_RL_ISA's
     env: str | None = None  # multi-turn trajectories of this environment (rl.env_check)
     max_turns: int = 3
     env_kwargs: dict = dataclasses.field(default_factory=dict)  # passed to the environment class
@@ -124,6 +126,11 @@ def add_parity_commands(subparsers) -> None:
     check.add_argument(
         "--adapter", help="peft LoRA adapter directory (e.g. RUN_DIR/checkpoints/step_N/adapter):"
         " both sides compute with it",
+    )
+    check.add_argument(
+        "--rollout-isa", choices=["avx512", "avx2", "scalar"], default=None,
+        help="run the rollout's compiled kernels on this code path, the trainer's on KIMI_RL_ISA's"
+        " (or the CPU's best): the bits must not change",
     )
     check.add_argument(
         "--cuda-graphs", choices=["on", "off"], default="off",
@@ -208,6 +215,9 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
                             " adapter before the capture yet (Llama and Qwen3 can); use --cuda-graphs off")
     if ns.parity == "off":
         _check_stock_engine(model)
+    rollout_isa = getattr(ns, "rollout_isa", None)
+    if rollout_isa is not None and rollout_isa not in native.cpu_isas():
+        raise UserError(f"--rollout-isa {rollout_isa}: this CPU runs {', '.join(native.cpu_isas())}")
     trainer = getattr(ns, "trainer", "megatron")
     if trainer == "deepspeed" and (ns.parity != "on" or trainer_tp > 1):
         raise UserError("--trainer deepspeed re-scores with the HF parity model: it needs "
@@ -224,7 +234,7 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         max_num_batched_tokens=ns.max_num_batched_tokens, rollout_tp=rollout_tp, trainer_tp=trainer_tp,
         adapter=adapter, sampling=_sampling(ns), cuda_graphs=getattr(ns, "cuda_graphs", "off") == "on",
         trainer=trainer, zero_stage=getattr(ns, "zero_stage", 2),
-        env=env, max_turns=getattr(ns, "max_turns", 3), env_kwargs=env_kwargs,
+        env=env, max_turns=getattr(ns, "max_turns", 3), env_kwargs=env_kwargs, rollout_isa=rollout_isa,
     )
 
 
@@ -430,7 +440,7 @@ def sample_in_vllm(
             max_num_batched_tokens=args.max_num_batched_tokens,
             tensor_parallel_size=args.rollout_tp,
             enforce_eager=not args.cuda_graphs,
-            adapter_layout=_reserved_layout(args, adapter),
+            adapter_layout=_reserved_layout(args, adapter), isa=args.rollout_isa,
         ) as engine:
             if adapter is not None:
                 tensors, lora_rank, alpha, _ = adapter

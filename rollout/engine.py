@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from parity import kernels, model_spec, weights
+from parity import kernels, model_spec, native, weights
 from parity.dtypes import dtype_string, torch_dtype
 from parity.lora import AdapterLayout, adapter_shapes
 from parity.model_spec import KimiSpec, load_spec
@@ -226,8 +226,14 @@ class RolloutEngine:
         tensor_parallel_size: int = 1,
         prefix_caching: bool | None = None,
         adapter_layout: AdapterLayout | None = None,
+        isa: str | None = None,
     ) -> None:
         torch_dtype(dtype)  # ValueError for an unknown name, before anything starts
+        # The code path of the compiled kernels in the engine's processes, if not this one's
+        # (KIMI_RL_ISA): they read it when they start, so it needs processes of their own.
+        isa_env = native.isa_environment(isa) if isa is not None else {}
+        if isa is not None and not multiprocess:
+            raise ValueError("isa needs multiprocess=True (the engine's own processes pick the path)")
         if adapter_layout is not None and not parity:
             raise ValueError("adapter_layout needs a parity engine (parity=True)")
         self.adapter_layout = adapter_layout
@@ -299,7 +305,7 @@ class RolloutEngine:
         self._captures_cuda_graphs = not enforce_eager and torch.cuda.is_available()
 
         child_env = {"TORCHDYNAMO_DISABLE": "1"} if enforce_eager else {}
-        mode_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+        mode_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **isa_env}
         # In-process, vLLM's CPU worker replaces torch.set_num_threads with a no-op for the
         # whole process: keep the caller's (rollout/vllm_patches.py).
         with _environ(child_env), _environ(mode_env, override=True), keep_set_num_threads():

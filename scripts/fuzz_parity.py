@@ -10,7 +10,7 @@ draws its KDA/MLA layer pattern, experts, top-k and indexer top-k. Prints a tabl
 JSON (one row per trial: shape, dtype, batch sizes, prompt lengths, tokens, bitwise fraction).
 
     python scripts/fuzz_parity.py --trials 20 --seed 0 [--arch llama,qwen3,kimi-mini] [--pinned]
-        [--start I | --only I,J,...] [--out bench_results/fuzz_parity.json]
+        [--start I | --only I,J,...] [--isa-mix] [--draw-sampling] [--out bench_results/fuzz_parity.json]
 
 Exit status 1 if any trial is not fully bitwise (or fails to run), 0 otherwise.
 """
@@ -49,6 +49,14 @@ class Trial:
     seconds: float = 0.0
     error: str | None = None
     cpu_capability: str = ""  # torch's vector ISA on the machine that ran the trial (AVX2, AVX512)
+    # --isa-mix: the compiled kernels' code path of each side ("" = the CPU's best, both sides)
+    rollout_isa: str = ""
+    trainer_isa: str = ""
+    # --draw-sampling: the distribution both sides score (1.0 / 1.0 / 0 = plain sampling)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens the rollout's prefix cache served
 
 
 def draw_dense(rng: random.Random, arch: str) -> dict:
@@ -122,6 +130,20 @@ def draw_trial(rng: random.Random, index: int, archs: list[str]) -> Trial:
     )
 
 
+def draw_conditions(trial: Trial, seed: int, isas: list[str], draw_sampling: bool) -> Trial:
+    """The trial's code paths (two different ones of `isas`, when it has two) and sampling
+    parameters, from a generator of their own: the shape stream of a seed stays what it was
+    without these flags, so old rows reproduce."""
+    rng = random.Random(f"conditions:{seed}:{trial.index}")
+    if len(isas) > 1:
+        trial.rollout_isa, trial.trainer_isa = rng.sample(isas, 2)
+    if draw_sampling:
+        trial.temperature = round(rng.uniform(0.5, 1.3), 2)
+        trial.top_p = rng.choice([1.0, round(rng.uniform(0.7, 0.99), 2)])
+        trial.top_k = rng.choice([0, rng.randint(1, 64)])
+    return trial
+
+
 def write_dense_model(arch: str, shape: dict, dtype: str, seed: int, out: Path) -> None:
     """A random-init Llama/Qwen3 checkpoint of `shape`, like `kimi-rl model init` writes."""
     import torch
@@ -178,10 +200,16 @@ def run_trial(trial: Trial, seed: int, workdir: Path) -> Trial:
         "--prompts", str(prompts), "--num-prompts", str(len(trial.prompt_lens)),
         "--max-tokens", str(trial.max_tokens), "--batch-sizes", ",".join(map(str, trial.batch_sizes)),
         "--max-num-batched-tokens", str(trial.max_num_batched_tokens), "--seed", str(seed),
-        "--parity", "on", "--report", str(report),
+        "--parity", "on", "--report", str(report), "--temperature", str(trial.temperature),
+        "--top-p", str(trial.top_p), "--top-k", str(trial.top_k),
     ]
     # A small KV cache: the trials' models are tiny, and several engines may share the machine.
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
+    if trial.rollout_isa:  # the trainer (the CLI's process) on one path, the rollout on another
+        from parity import native
+
+        cmd += ["--rollout-isa", trial.rollout_isa]
+        env.update(native.isa_environment(trial.trainer_isa))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     trial.seconds = round(time.perf_counter() - start, 1)
     result = report / "report.json"
@@ -194,6 +222,7 @@ def run_trial(trial: Trial, seed: int, workdir: Path) -> Trial:
     trial.tokens = data["tokens_compared"]
     trial.bitwise_fraction = data["bitwise_equal_fraction"]
     trial.max_abs_diff = data["max_abs_diff"]
+    trial.prefix_hit_tokens = data["prefix_cache"]["hit_tokens"]
     return trial
 
 
@@ -207,6 +236,11 @@ def shape_text(trial: Trial) -> str:
     return (f"h{s['hidden_size']} L{s['num_hidden_layers']} q{s['num_attention_heads']}/kv"
             f"{s['num_key_value_heads']} d{s['head_dim']} i{s['intermediate_size']} "
             f"v{s['vocab_size']}{' tied' if s['tie_word_embeddings'] else ''}")
+
+
+def conditions_text(trial: Trial) -> str:
+    isa = f"{trial.rollout_isa}/{trial.trainer_isa} " if trial.rollout_isa else ""
+    return f"{isa}T{trial.temperature:g} p{trial.top_p:g} k{trial.top_k}"
 
 
 def print_table(trials: list[Trial]) -> None:
@@ -228,7 +262,7 @@ def write_json(out: Path, seed: int, archs: list[str], done: list[Trial]) -> Non
 
 def fuzz(
     trials: int, seed: int, archs: list[str], start: int = 0, pinned: bool = False, out: Path | None = None,
-    only: list[int] | None = None,
+    only: list[int] | None = None, isa_mix: bool = False, draw_sampling: bool = False,
 ) -> list[Trial]:
     """Trials start .. start+trials-1 of the stream drawn from `seed` (trial i always draws the
     same shape for a given seed and arch list, so a slice reproduces a longer run's rows), or
@@ -241,12 +275,17 @@ def fuzz(
         drawn = [draw_trial(rng, i, archs) for i in range(start + trials)][start:]
     if pinned:
         drawn.insert(0, Trial(**asdict(ODD_QWEN3)))
+    if isa_mix or draw_sampling:
+        from parity import native
+
+        isas = native.cpu_isas() if isa_mix else []
+        drawn = [draw_conditions(t, seed, isas, draw_sampling) for t in drawn]
     done = []
     for trial in drawn:
         with tempfile.TemporaryDirectory(prefix="fuzz-parity-") as tmp:
             done.append(run_trial(trial, seed * 100_003 + trial.index + 1, Path(tmp)))
         t = done[-1]
-        print(f"trial {t.index}: {t.arch} {t.dtype} {shape_text(t)} -> "
+        print(f"trial {t.index}: {t.arch} {t.dtype} {shape_text(t)} {conditions_text(t)} -> "
               f"{t.error or f'{t.bitwise_fraction:.1%} of {t.tokens}'} ({t.seconds:.0f} s)", flush=True)
         if out is not None:
             write_json(out, seed, archs, done)
@@ -261,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default=",".join(ARCHS), help="comma-separated subset of " + ",".join(ARCHS))
     parser.add_argument("--only", default="", help="comma-separated trial indices of the seed's stream to run")
     parser.add_argument("--pinned", action="store_true", help="also run the odd-shaped Qwen3 case of issue 13")
+    parser.add_argument("--isa-mix", action="store_true",
+                        help="each trial: the rollout on one compiled-kernel path, the trainer on another")
+    parser.add_argument("--draw-sampling", action="store_true", help="each trial draws temperature, top-p, top-k")
     parser.add_argument("--out", default="bench_results/fuzz_parity.json")
     args = parser.parse_args(argv)
     archs = [a.strip() for a in args.arch.split(",") if a.strip()]
@@ -268,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not archs:
         parser.error(f"--arch: unknown {', '.join(unknown) or '(empty)'}; expected a subset of {', '.join(ARCHS)}")
     only = [int(i) for i in args.only.split(",") if i.strip()]
-    done = fuzz(args.trials, args.seed, archs, args.start, args.pinned, Path(args.out), only)
+    done = fuzz(args.trials, args.seed, archs, args.start, args.pinned, Path(args.out), only,
+                isa_mix=args.isa_mix, draw_sampling=args.draw_sampling)
     print_table(done)
     print(f"wrote {args.out}")
     return 0 if all(t.error is None and t.bitwise_fraction == 1.0 for t in done) else 1

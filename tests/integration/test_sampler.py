@@ -133,3 +133,21 @@ def test_rollout_on_one_code_path_trainer_on_another(model_factory, megatron, mo
     for c, (logprobs, tokens) in zip(completions, redrawn, strict=True):
         assert torch.equal(c.rollout_logprobs, logprobs), (rollout_isa, trainer_isa)
         assert tokens.tolist() == c.token_ids
+
+
+def test_parity_check_rollout_isa_flag(model_factory, prompt_file, tmp_path, megatron):
+    """`parity check --rollout-isa scalar`: the rollout's processes run the scalar path (the
+    report says so), the trainer this process's path, and every token is bitwise."""
+    import json
+
+    from rl.cli import main
+
+    model_dir = model_factory("qwen3", "bf16")
+    report = tmp_path / "report"
+    assert main(["parity", "check", "--model", model_dir, "--dtype", "bf16", "--prompts", str(prompt_file),
+                 "--num-prompts", "3", "--max-tokens", "6", "--batch-sizes", "1,3", "--temperature", "0.7",
+                 "--top-p", "0.9", "--top-k", "20", "--rollout-isa", "scalar", "--report", str(report)]) == 0
+    data = json.loads((report / "report.json").read_text())
+    assert data["kernels"]["rollout"]["isa"] == "scalar"
+    assert data["kernels"]["trainer"]["isa"] == native.isa()
+    assert data["bitwise_equal_fraction"] == 1.0 and data["tokens_compared"] > 0
