@@ -168,6 +168,15 @@ def test_bad_config_fails_before_ray(model_factory, tmp_path, capsys, override, 
     assert not (tmp_path / "r").exists()  # nothing written either
 
 
+def test_kimi_lora_refuses_a_compiled_rollout(model_factory, tmp_path, capsys):
+    """kimi-mini cannot reserve its adapter before vLLM compiles: refused up front, in one line."""
+    args = ["train", str(QUICKSTART), f"model.path={model_factory('kimi-mini')}", f"run_dir={tmp_path / 'r'}"]
+    assert main([*args, "rollout.enforce_eager=false"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "rollout.enforce_eager" in err
+    assert not (tmp_path / "r").exists()
+
+
 def test_bad_config_in_the_file_names_the_line(model_factory, tmp_path, capsys):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(f"run_dir: {tmp_path / 'r'}\ntotal_steps: 2\nmodel:\n  path: {model_factory('llama')}\n"
