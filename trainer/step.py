@@ -15,9 +15,11 @@ A multi-turn trajectory's response holds tool / template tokens between the mode
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +88,17 @@ def micro_batch(sequences: list[list[int]], starts: list[int], rows: list[int]) 
 
 def chunks(rows: list[int], size: int) -> list[list[int]]:
     return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads set to 1 inside, restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def ordered_sum(rows: Tensor) -> Tensor:
@@ -212,6 +225,13 @@ class PolicyStep(ABC):
         old = pad(old_list, width)
         ref = pad(self.ref_logprobs(seqs, starts), width) if algo.kl_coef > 0 else None
         old_values = pad(self.values(seqs, starts), width) if self.value_head is not None else None
+        with self._update_threads():
+            return self._update(batch, old, ref, old_values, mask)
+
+    def _update(self, batch: Batch, old: Tensor, ref: Tensor | None, old_values: Tensor | None,
+                mask: Tensor) -> dict[str, float]:
+        """train_step after the scoring: the advantages and the optimizer steps."""
+        algo, width = self.algorithm, mask.shape[1]
         advantages, returns = self._advantages(batch, old, ref, old_values, mask)
 
         stats = {"ref/kl": 0.0}
@@ -228,7 +248,7 @@ class PolicyStep(ABC):
         totals: dict[str, float] = defaultdict(float)
         steps = 0
         for _ in range(algo.ppo_epochs):
-            perm = torch.randperm(len(seqs), generator=self.generator)
+            perm = torch.randperm(len(batch.sequences), generator=self.generator)
             for rows in perm.tensor_split(algo.minibatches):
                 last = self._minibatch_step(batch, rows.tolist(), tensors)
                 for k, v in last.items():
@@ -239,6 +259,13 @@ class PolicyStep(ABC):
         stats["train/optimizer_steps"] = float(steps)
         stats["train/response_tokens"] = mask.sum().item()
         return stats
+
+    def _update_threads(self) -> contextlib.AbstractContextManager:
+        """trainer.deterministic_layout on the CPU: the update runs on one thread. Its backward
+        and its reductions (advantage whitening, gradient norms) are plain torch, whose CPU
+        kernels split sums by the thread count, and a rank's share of the cores depends on the
+        layout (the parity kernels' forwards are thread-invariant; scoring keeps every core)."""
+        return one_thread() if self.config.deterministic_layout else contextlib.nullcontext()
 
     def last_old_logprobs(self) -> list[Tensor]:
         """The old-policy log-probs the last train_step computed (compare with the rollout's)."""

@@ -90,6 +90,7 @@ class PolicyTrainer(PolicyStep):
         sampling: Sampling | None = None,
     ):
         self._settings(model_dir, dtype, parity, lora, trainer, algorithm, sampling)
+        self._dp = _data_parallel_rank(self.config.data_parallel_size)
         self.model = load_model(model_dir, dtype, parity, tp_size=self.config.tensor_parallel_size)
         targets = list(self.lora_config.target_modules)
         rank, alpha = self.lora_config.rank, self.lora_config.alpha
@@ -115,7 +116,6 @@ class PolicyTrainer(PolicyStep):
             self._critic = lora_lib.adapter_parameters(self.frozen, CRITIC_ADAPTER) + [
                 (f"value_head.{n}", p) for n, p in self.value_head.named_parameters()
             ]
-        self._dp = _data_parallel_rank(self.config.data_parallel_size)
         self._partial_grads = tp_partial_grad_params(self.model) if self.config.tensor_parallel_size > 1 else []
         # Frozen weights (the LoRA base, a full fine-tune's reference copy) are never written
         # again: the compiled GEMM's packs of them are made once, here, not on every forward.
@@ -231,7 +231,7 @@ class PolicyTrainer(PolicyStep):
         return self._dp
 
     def _sample_gradient(self, loss: Tensor) -> Tensor:
-        loss.backward()
+        loss.backward()  # on one thread (PolicyStep._update_threads)
         flat = []
         for p, _ in self._trainables():
             flat.append(torch.zeros(p.numel()) if p.grad is None else p.grad.float().reshape(-1))
