@@ -351,6 +351,7 @@ def _check(cfg: Config, sources: _Sources) -> None:
             raise err(f"lora.target_modules[{i}]", f"expected one of {', '.join(LORA_MODULES)}; "
                       f"got {module!r}")
     _check_tensor_parallel(cfg, sources, model_dir)
+    _check_data_parallel(cfg, sources)
     try:
         cfg.rollout.sampling()
     except ValueError as e:  # a temperature vLLM would treat as greedy
@@ -387,6 +388,27 @@ def _check_env(cfg: Config, sources: _Sources) -> None:
     if cfg.rollout.max_trajectory_tokens < cfg.rollout.max_tokens:
         raise err("rollout.max_trajectory_tokens", f"is {cfg.rollout.max_trajectory_tokens}, below "
                   f"rollout.max_tokens {cfg.rollout.max_tokens} (one turn's budget)")
+
+
+def _check_data_parallel(cfg: Config, sources: _Sources) -> None:
+    """trainer.data_parallel_size / deterministic_layout: megatron's, and a row per rank."""
+    err, tr = sources.error, cfg.trainer
+    if tr.deterministic_layout and tr.backend != "megatron":
+        raise err("trainer.deterministic_layout", f"needs trainer.backend megatron: {tr.backend}'s "
+                  "ZeRO reduces gradients in its own buckets, in an order we do not fix")
+    if tr.data_parallel_size == 1:
+        return
+    key = "trainer.data_parallel_size"
+    if tr.backend != "megatron":
+        raise err(key, f"is {tr.data_parallel_size}: the deepspeed backend's ranks are "
+                  "trainer.deepspeed.ranks")
+    if not tr.deterministic_layout:
+        raise err(key, f"is {tr.data_parallel_size}: it needs trainer.deterministic_layout: true "
+                  "(the ordered gradient reduction is the only one built)")
+    rows = cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt // cfg.algorithm.minibatches
+    if tr.data_parallel_size > rows:
+        raise err(key, f"is {tr.data_parallel_size}, but a minibatch has {rows} sequences: "
+                  "every rank needs at least one")
 
 
 def _check_tensor_parallel(cfg: Config, sources: _Sources, model_dir: Path) -> None:

@@ -2,7 +2,8 @@
 
     preflight      everything a user can get wrong is checked before Ray starts
     start          Ray, one placement group, N rollout workers (vLLM) and the trainer (Megatron;
-                   trainer.tensor_parallel_size ranks, called as one: rl.cluster.TrainerGroup)
+                   tensor_parallel_size x data_parallel_size ranks, called as one:
+                   rl.cluster.TrainerGroup)
     resume         trainer state, data cursor and step from the run's latest checkpoint
     sync           the trainer's adapter (or full weights) to every worker, through the hooks
     for each step:
@@ -122,6 +123,12 @@ def sample_keys(seed: int, step: int, n: int, turn: int = 0) -> list[int]:
     return [request_key(worker_seed, 0, i, 0) for i in range(n)]
 
 
+def trainer_ranks(cfg: Config) -> int:
+    """The trainer's Ray actors: its tensor- x data-parallel ranks (megatron; a DeepSpeed
+    worker starts its own ranks)."""
+    return cfg.trainer.tensor_parallel_size * cfg.trainer.data_parallel_size
+
+
 def split(items: list, parts: int) -> list[list]:
     """Contiguous, nearly equal parts (the first ones one longer)."""
     size, extra = divmod(len(items), parts)
@@ -144,7 +151,7 @@ class Run:
         self.cfg = cfg
         self.packed_adapter: tuple = (None, {})  # (object ref, its tensors) of the last adapter
         n = cfg.rollout.num_workers
-        start_ray(cfg.ray, run_dir or cfg.run_dir, num_cpus_needed=n + cfg.trainer.tensor_parallel_size)
+        start_ray(cfg.ray, run_dir or cfg.run_dir, num_cpus_needed=n + trainer_ranks(cfg))
         try:
             self._start_actors(cfg, n)
         except BaseException:
@@ -158,8 +165,8 @@ class Run:
         from rollout.worker import RolloutWorker
         from trainer.backend import get_backend
 
-        tp = cfg.trainer.tensor_parallel_size
-        self.pg = placement_group(n, use_gpus=False, trainer_ranks=tp)
+        world = trainer_ranks(cfg)
+        self.pg = placement_group(n, use_gpus=False, trainer_ranks=world)
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING",
                             # JIT-built C++ ops (deepspeed_cpu_adam) are cached in the run dir.
@@ -174,11 +181,11 @@ class Run:
                 cfg.model.path, cfg.model.dtype, parity=cfg.parity.enabled, lora=cfg.lora,
                 trainer=cfg.trainer, algorithm=cfg.algorithm, seed=cfg.seed,
                 sampling=cfg.rollout.sampling(),
-                **({"rank": r, "rendezvous": os.path.join(self._rendezvous.name, "store")} if tp > 1 else {}),
+                **({"rank": r, "rendezvous": os.path.join(self._rendezvous.name, "store")} if world > 1 else {}),
             )
-            for r in range(tp)
+            for r in range(world)
         ]
-        self.trainer = ranks[0] if tp == 1 else TrainerGroup(ranks)
+        self.trainer = ranks[0] if world == 1 else TrainerGroup(ranks)
         max_len = self.max_model_len = self._max_model_len()
         self._make_worker = lambda i: (
             ray.remote(RolloutWorker)

@@ -1,6 +1,8 @@
 """Benchmark one trainer step per backend, side by side in one run: the Megatron backend
-(trainer.megatron.policy) and the deepspeed backend (trainer.deepspeed.policy) at ZeRO stages 0-3, on
-the same model, batch and settings, one rank each (gloo), in this process.
+(trainer.megatron.policy), plain and with trainer.deterministic_layout (per-sequence gradients
+summed in row order), and the deepspeed backend (trainer.deepspeed.policy) at ZeRO stages 0-3
+(`--stages ''`: none), on the same model, batch and settings, one rank each (gloo), in this
+process.
 
 A step is `train_step` on a fixed GRPO batch: scoring the old log-probs, advantages, and one
 optimizer step over the micro-batches (forward + backward + step). Each backend runs
@@ -14,6 +16,7 @@ Megatron. Rollout log-probs are the trainer's own (the bench measures the traine
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -98,7 +101,10 @@ def main() -> None:
                              deepspeed=DeepSpeedConfig(zero_stage=stage))
 
     run("megatron", PolicyTrainer(model, args.dtype, lora=lora, trainer=config(), algorithm=algorithm))
-    for stage in (int(s) for s in args.stages.split(",")):
+    ordered = dataclasses.replace(config(), deterministic_layout=True)
+    run("megatron deterministic_layout", PolicyTrainer(model, args.dtype, lora=lora, trainer=ordered,
+                                                       algorithm=algorithm))
+    for stage in (int(s) for s in args.stages.split(",") if s):
         trainer = DeepSpeedPolicyTrainer(model, args.dtype, lora=lora, trainer=config(stage), algorithm=algorithm)
         run(f"deepspeed ZeRO-{stage}", trainer)
 

@@ -35,6 +35,14 @@ class TrainerConfig:
     backend: Literal["megatron", "deepspeed"] = "megatron"
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     tensor_parallel_size: int = setting(1, ge=1)
+    # megatron: data-parallel ranks, each training its share of every minibatch's rows (ranks =
+    # data_parallel_size x tensor_parallel_size). Needs deterministic_layout (its reduction).
+    data_parallel_size: int = setting(1, ge=1)
+    # megatron: the gradient of every trainable tensor is computed per sequence and summed in
+    # the minibatch's row order on every rank (trainer.step), so the bits after a step do not
+    # depend on data_parallel_size or micro_batch_size. DeepSpeed's ZeRO reduces in its own
+    # buckets, so it refuses this.
+    deterministic_layout: bool = False
     optimizer: Literal["adamw", "deepspeed_cpu_adam"] = "adamw"
     lr: float = setting(1e-4, gt=0)
     weight_decay: float = setting(0.0, ge=0)

@@ -15,9 +15,11 @@ A multi-turn trajectory's response holds tool / template tokens between the mode
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,33 @@ def chunks(rows: list[int], size: int) -> list[list[int]]:
     return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads set to 1 inside, restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def ordered_sum(rows: Tensor) -> Tensor:
+    """((rows[0] + rows[1]) + rows[2]) + ...: element-wise adds in row order only, so the bits
+    depend on the rows and their order alone (as parity.tp.rank_ordered_sum, in rows' dtype)."""
+    acc = rows[0].clone()
+    for row in rows[1:]:
+        acc += row
+    return acc
+
+
+def rank_share(rows: list[int], rank: int, size: int) -> list[int]:
+    """Data-parallel rank `rank`'s contiguous share of `rows` (of `size` ranks), so the shares
+    in rank order are `rows` in order; shares differ in length by at most one."""
+    n = len(rows)
+    return rows[rank * n // size : (rank + 1) * n // size]
+
+
 def pad(rows: list[Tensor], width: int) -> Tensor:
     """Stack 1-D float tensors into [N, width], zero beyond each row's end."""
     out = torch.zeros(len(rows), width)
@@ -123,6 +152,13 @@ class PolicyStep(ABC):
             raise ValueError(f"trainer.tensor_parallel_size {self.config.tensor_parallel_size} needs "
                             "lora.enabled: at TP > 1 the trainable parameters are the replicated "
                             "adapters (a full fine-tune would shard them)")
+        dp = self.config.data_parallel_size
+        if dp > 1 and not self.config.deterministic_layout:
+            raise ValueError(f"trainer.data_parallel_size {dp} needs trainer.deterministic_layout: "
+                             "true (the ordered gradient reduction is the only one built)")
+        if self.config.deterministic_layout and self.config.backend != "megatron":
+            raise ValueError(f"trainer.deterministic_layout needs trainer.backend megatron: "
+                             f"{self.config.backend}'s reductions are not ordered by us")
         if self.algorithm.is_correction != "none" and self.parity:
             raise ValueError(f"algorithm.is_correction {self.algorithm.is_correction!r} needs "
                             "parity false (with parity there is no mismatch to correct)")
@@ -189,6 +225,13 @@ class PolicyStep(ABC):
         old = pad(old_list, width)
         ref = pad(self.ref_logprobs(seqs, starts), width) if algo.kl_coef > 0 else None
         old_values = pad(self.values(seqs, starts), width) if self.value_head is not None else None
+        with self._update_threads():
+            return self._update(batch, old, ref, old_values, mask)
+
+    def _update(self, batch: Batch, old: Tensor, ref: Tensor | None, old_values: Tensor | None,
+                mask: Tensor) -> dict[str, float]:
+        """train_step after the scoring: the advantages and the optimizer steps."""
+        algo, width = self.algorithm, mask.shape[1]
         advantages, returns = self._advantages(batch, old, ref, old_values, mask)
 
         stats = {"ref/kl": 0.0}
@@ -205,7 +248,7 @@ class PolicyStep(ABC):
         totals: dict[str, float] = defaultdict(float)
         steps = 0
         for _ in range(algo.ppo_epochs):
-            perm = torch.randperm(len(seqs), generator=self.generator)
+            perm = torch.randperm(len(batch.sequences), generator=self.generator)
             for rows in perm.tensor_split(algo.minibatches):
                 last = self._minibatch_step(batch, rows.tolist(), tensors)
                 for k, v in last.items():
@@ -216,6 +259,13 @@ class PolicyStep(ABC):
         stats["train/optimizer_steps"] = float(steps)
         stats["train/response_tokens"] = mask.sum().item()
         return stats
+
+    def _update_threads(self) -> contextlib.AbstractContextManager:
+        """trainer.deterministic_layout on the CPU: the update runs on one thread. Its backward
+        and its reductions (advantage whitening, gradient norms) are plain torch, whose CPU
+        kernels split sums by the thread count, and a rank's share of the cores depends on the
+        layout (the parity kernels' forwards are thread-invariant; scoring keeps every core)."""
+        return one_thread() if self.config.deterministic_layout else contextlib.nullcontext()
 
     def last_old_logprobs(self) -> list[Tensor]:
         """The old-policy log-probs the last train_step computed (compare with the rollout's)."""
@@ -237,6 +287,10 @@ class PolicyStep(ABC):
         if n < self.algorithm.minibatches:
             raise ValueError(f"batch: {n} sequences do not split into "
                              f"{self.algorithm.minibatches} minibatches")
+        dp, per_minibatch = self.config.data_parallel_size, n // self.algorithm.minibatches
+        if self.config.deterministic_layout and per_minibatch < dp:
+            raise ValueError(f"batch: a minibatch of {per_minibatch} sequences does not give each of "
+                             f"trainer.data_parallel_size {dp} ranks one")
         g = batch.group_size
         if n % g:
             raise ValueError(f"batch: {n} sequences do not split into groups of {g}")
@@ -282,46 +336,81 @@ class PolicyStep(ABC):
 
     def _minibatch_step(self, batch: Batch, rows: list[int], t: dict[str, Tensor | None]) -> dict[str, float]:
         """Accumulate gradients over the micro-batches of `rows`, then one optimizer step."""
-        algo = self.algorithm
+        if self.config.deterministic_layout:
+            return self._ordered_minibatch_step(batch, rows, t)
         total_tokens = t["mask"][rows].sum().clamp_min(1.0)
         acc: dict[str, float] = defaultdict(float)
         micro_batches = self._micro_batches(rows)
         for i, micro_rows in enumerate(micro_batches):
-            mb = micro_batch(batch.sequences, batch.starts, micro_rows)
-            width = mb.index.shape[1]
-            m = {k: None if v is None else v[micro_rows, :width] for k, v in t.items()}
-            mask = m["mask"]
-            # Each micro-batch's token mean, weighted by its share of the minibatch's tokens:
-            # the accumulated gradient is that of the minibatch's token mean.
-            weight = mask.sum() / total_tokens
-            logp, logits = self._policy_forward(mb)
-            loss, pg_stats = policy_loss(logp, m["old"], m["advantages"], mask, algo.clip_eps,
-                                         m["is_weights"])
-            parts = {"ppo/policy_loss": loss.detach(), "ppo/clipfrac": pg_stats["clipfrac"],
-                     "ppo/kl": pg_stats["approx_kl"]}
-            # Response positions only: the prompt's entropy is neither trained nor reported.
-            vocab = logits.shape[-1]
-            response_logits = logits.gather(1, mb.index.unsqueeze(-1).expand(-1, -1, vocab))
-            if algo.entropy_coef == 0:
-                response_logits = response_logits.detach()  # a statistic only: keep no graph
-            entropy = masked_mean(entropy_from_logits(response_logits), mask)
-            loss = loss - algo.entropy_coef * entropy
-            parts["ppo/entropy"] = entropy.detach()
-            if algo.kl_coef > 0 and algo.kl_mode == "loss":
-                kl = masked_mean(kl_estimate(logp, m["ref"], algo.kl_estimator), mask)
-                loss = loss + algo.kl_coef * kl
-                parts["ppo/kl_loss"] = kl.detach()
-            if self.value_head is not None:
-                vloss, v_stats = value_loss(self._critic_forward(mb), m["old_values"],
-                                            m["returns"], mask, algo.value_clip_eps)
-                loss = loss + algo.vf_coef * vloss
-                parts["critic/value_loss"] = vloss.detach()
-                parts["critic/vf_clipfrac"] = v_stats["vf_clipfrac"]
+            loss, parts, weight = self._micro_loss(batch, micro_rows, t, total_tokens)
             self._backward(loss * weight, last=i == len(micro_batches) - 1)
             for k, v in parts.items():
                 acc[k] += float(v) * weight.item()
         acc.update(self._optimizer_step())
         return acc
+
+    def _ordered_minibatch_step(self, batch: Batch, rows: list[int], t: dict[str, Tensor | None]) -> dict[str, float]:
+        """trainer.deterministic_layout: one fixed token block per sequence. Each data-parallel
+        rank takes its contiguous share of `rows` (rank_share) and computes every sequence's
+        gradient alone (its own forward and backward, so no other row shares a GEMM with it);
+        the per-sequence gradients and stats are gathered to every rank in rank order, which
+        is the minibatch's row order, and summed in that order (ordered_sum).
+        The loss is normalised by the minibatch's token count, known before the split. So
+        the summed gradient, hence the optimizer step on it, has the same bits at any
+        data_parallel_size and micro_batch_size; only per-sequence forwards are its cost."""
+        total_tokens = t["mask"][rows].sum().clamp_min(1.0)
+        rank, size = self._data_parallel()
+        counts = [len(rank_share(rows, r, size)) for r in range(size)]
+        grads, stats, keys = [], [], []
+        for row in rank_share(rows, rank, size):
+            loss, parts, weight = self._micro_loss(batch, [row], t, total_tokens)
+            grads.append(self._sample_gradient(loss * weight))
+            stats.append(torch.tensor([float(v) * weight.item() for v in parts.values()], dtype=torch.float64))
+            keys = list(parts)
+        self._install_gradient(ordered_sum(self._gather_rows(torch.stack(grads), counts)))
+        summed = ordered_sum(self._gather_rows(torch.stack(stats), counts))
+        acc = dict(zip(keys, summed.tolist(), strict=True))
+        for r in range(size):  # each rank's trained tokens (layout-dependent, unlike the rest)
+            acc[f"train/rank_tokens/{r}"] = t["mask"][rank_share(rows, r, size)].sum().item()
+        acc.update(self._optimizer_step())
+        return acc
+
+    def _micro_loss(
+        self, batch: Batch, micro_rows: list[int], t: dict[str, Tensor | None], total_tokens: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        """(loss, its parts as stats, weight) of one micro-batch: the loss is the micro-batch's
+        token mean; times `weight`, its share of the minibatch's tokens, the gradients summed
+        over a minibatch's micro-batches are those of the minibatch's token mean."""
+        algo = self.algorithm
+        mb = micro_batch(batch.sequences, batch.starts, micro_rows)
+        width = mb.index.shape[1]
+        m = {k: None if v is None else v[micro_rows, :width] for k, v in t.items()}
+        mask = m["mask"]
+        weight = mask.sum() / total_tokens
+        logp, logits = self._policy_forward(mb)
+        loss, pg_stats = policy_loss(logp, m["old"], m["advantages"], mask, algo.clip_eps,
+                                     m["is_weights"])
+        parts = {"ppo/policy_loss": loss.detach(), "ppo/clipfrac": pg_stats["clipfrac"],
+                 "ppo/kl": pg_stats["approx_kl"]}
+        # Response positions only: the prompt's entropy is neither trained nor reported.
+        vocab = logits.shape[-1]
+        response_logits = logits.gather(1, mb.index.unsqueeze(-1).expand(-1, -1, vocab))
+        if algo.entropy_coef == 0:
+            response_logits = response_logits.detach()  # a statistic only: keep no graph
+        entropy = masked_mean(entropy_from_logits(response_logits), mask)
+        loss = loss - algo.entropy_coef * entropy
+        parts["ppo/entropy"] = entropy.detach()
+        if algo.kl_coef > 0 and algo.kl_mode == "loss":
+            kl = masked_mean(kl_estimate(logp, m["ref"], algo.kl_estimator), mask)
+            loss = loss + algo.kl_coef * kl
+            parts["ppo/kl_loss"] = kl.detach()
+        if self.value_head is not None:
+            vloss, v_stats = value_loss(self._critic_forward(mb), m["old_values"],
+                                        m["returns"], mask, algo.value_clip_eps)
+            loss = loss + algo.vf_coef * vloss
+            parts["critic/value_loss"] = vloss.detach()
+            parts["critic/vf_clipfrac"] = v_stats["vf_clipfrac"]
+        return loss, parts, weight
 
     def _micro_batches(self, rows: list[int]) -> list[list[int]]:
         """The micro-batches of a minibatch that this trainer runs (a data-parallel backend
@@ -335,6 +424,27 @@ class PolicyStep(ABC):
     @abstractmethod
     def _optimizer_step(self) -> dict[str, float]:
         """One optimizer step on the accumulated gradients; returns the grad-norm stats."""
+
+    # --- trainer.deterministic_layout: a backend that keeps it supplies these ---------------
+
+    def _data_parallel(self) -> tuple[int, int]:
+        """(this rank's index, the rank count) among the data-parallel ranks."""
+        return 0, 1
+
+    def _sample_gradient(self, loss: Tensor) -> Tensor:
+        """Backward of one sequence's loss alone: every trainable tensor's gradient, flat in
+        fp32 in a fixed order, with the parameters' .grad cleared again."""
+        raise NotImplementedError(f"trainer.deterministic_layout: the {self.config.backend} backend does not keep it")
+
+    def _gather_rows(self, local: Tensor, counts: list[int]) -> Tensor:
+        """Every data-parallel rank's rows of `local` ([counts[rank], ...]), in rank order."""
+        if self._data_parallel()[1] == 1:
+            return local
+        raise NotImplementedError(f"trainer.data_parallel_size: the {self.config.backend} backend has no ranks")
+
+    def _install_gradient(self, flat: Tensor) -> None:
+        """Set the trainable tensors' gradients to `flat` (_sample_gradient's layout)."""
+        raise NotImplementedError(f"trainer.deterministic_layout: the {self.config.backend} backend does not keep it")
 
     # --- weights out, state in and out --------------------------------------------------
 

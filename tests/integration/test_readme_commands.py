@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # models the pages after it use).
 DOCS = ["README.md", "docs/parity_check.md", "docs/tensor_parallel.md", "docs/kimi.md", "docs/train.md",
         "docs/hooks.md", "docs/agentic.md", "docs/deepspeed.md", "docs/development.md", "docs/design.md", "docs/benchmarks.md",
-        "docs/fuzz.md", "docs/faults_and_security.md", "docs/gpu_summary.md", "docs/README.md"]
+        "docs/fuzz.md", "docs/faults_and_security.md", "docs/gpu_summary.md", "docs/README.md",
+        "docs/trainer_scale.md"]
 TEXT = "\n".join((ROOT / page).read_text() for page in DOCS)
 VENV = Path(sys.executable).parents[1]
 
@@ -46,6 +47,8 @@ SHRINK: dict[str, str] = {
     " total_steps=2 data.prompts_per_step=2",
     ".venv/bin/kimi-rl train configs/quickstart.yaml trainer.tensor_parallel_size=2 "
     "run_dir=runs/quickstart-trainer-tp2": " total_steps=1 data.prompts_per_step=2 rollout.max_tokens=4",
+    ".venv/bin/kimi-rl train configs/quickstart.yaml trainer.data_parallel_size=2 trainer.deterministic_layout=true "
+    "run_dir=runs/quickstart-dp2": " total_steps=1 data.prompts_per_step=2 rollout.max_tokens=4",
     ".venv/bin/kimi-rl model init --arch kimi-mini --preset tiny --seed 0 --dtype bf16 models/kimi-tiny": "",
     ".venv/bin/kimi-rl train configs/quickstart.yaml model.path=models/kimi-tiny algorithm.name=ppo "
     "total_steps=3 run_dir=runs/kimi-ppo": " data.prompts_per_step=2 rollout.max_tokens=4",
@@ -162,6 +165,10 @@ def test_readme_command(command, user_dir):
         _check_run(user_dir / "runs/quickstart-tp2", 2)
     if "run_dir=runs/quickstart-trainer-tp2" in command:
         _check_run(user_dir / "runs/quickstart-trainer-tp2", 1)
+    if "run_dir=runs/quickstart-dp2" in command:
+        _check_run(user_dir / "runs/quickstart-dp2", 1)
+        assert all(r["train/rank_tokens/0"] > 0 and r["train/rank_tokens/1"] > 0
+                   for r in _metrics(user_dir / "runs/quickstart-dp2"))
     if "run_dir=runs/deepspeed" in command:
         _check_run(user_dir / "runs/deepspeed", 2)
     if command.endswith("train configs/agentic_calculator.yaml"):

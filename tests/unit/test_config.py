@@ -346,6 +346,33 @@ def test_env_errors_name_the_key_and_line(write, body: str, line: int, phrase: s
     assert phrase in message, message
 
 
+# --- trainer.data_parallel_size / deterministic_layout -------------------------------------
+
+
+@pytest.mark.parametrize(("body", "line", "phrase"), [
+    ("trainer:\n  data_parallel_size: 2\n", 5,
+     "trainer.data_parallel_size: is 2: it needs trainer.deterministic_layout: true"),
+    ("trainer:\n  data_parallel_size: 0\n", 5, "trainer.data_parallel_size: must be >= 1"),
+    ("trainer:\n  backend: deepspeed\n  deterministic_layout: true\n", 6,
+     "trainer.deterministic_layout: needs trainer.backend megatron: deepspeed's ZeRO"),
+    ("trainer:\n  backend: deepspeed\n  data_parallel_size: 2\n", 6,
+     "trainer.data_parallel_size: is 2: the deepspeed backend's ranks are trainer.deepspeed.ranks"),
+    ("data:\n  prompts_per_step: 2\nrollout:\n  samples_per_prompt: 2\n"
+     "trainer:\n  data_parallel_size: 8\n  deterministic_layout: true\n", 9,
+     "trainer.data_parallel_size: is 8, but a minibatch has 4 sequences"),
+])
+def test_data_parallel_errors_name_the_key_and_line(write, body: str, line: int, phrase: str) -> None:
+    path = write(body)
+    message = error(path)
+    assert message.startswith(f"{path}:{line}: "), message
+    assert phrase in message, message
+
+
+def test_data_parallel_config_loads(write) -> None:
+    cfg = load_config(write("trainer:\n  data_parallel_size: 2\n  deterministic_layout: true\n"))
+    assert (cfg.trainer.data_parallel_size, cfg.trainer.deterministic_layout) == (2, True)
+
+
 def test_env_config_loads(write) -> None:
     cfg = load_config(write("env:\n  name: tools\n  kwargs: {tools: [calculator, python]}\n"
                             "rollout:\n  max_turns: 4\n  max_trajectory_tokens: 256\n"))

@@ -90,6 +90,7 @@ class PolicyTrainer(PolicyStep):
         sampling: Sampling | None = None,
     ):
         self._settings(model_dir, dtype, parity, lora, trainer, algorithm, sampling)
+        self._dp = _data_parallel_rank(self.config.data_parallel_size)
         self.model = load_model(model_dir, dtype, parity, tp_size=self.config.tensor_parallel_size)
         targets = list(self.lora_config.target_modules)
         rank, alpha = self.lora_config.rank, self.lora_config.alpha
@@ -220,6 +221,44 @@ class PolicyTrainer(PolicyStep):
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=group)
 
+    # --- trainer.deterministic_layout: per-sequence gradients, summed in row order ----------
+
+    def _trainables(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """(the parameter the backward fills, the one the optimizer steps), policy then critic."""
+        return [(p, m) for _, p, m in self._policy] + [(p, p) for _, p in self._critic]
+
+    def _data_parallel(self) -> tuple[int, int]:
+        return self._dp
+
+    def _sample_gradient(self, loss: Tensor) -> Tensor:
+        loss.backward()  # on one thread (PolicyStep._update_threads)
+        flat = []
+        for p, _ in self._trainables():
+            flat.append(torch.zeros(p.numel()) if p.grad is None else p.grad.float().reshape(-1))
+            p.grad = None
+        return torch.cat(flat)
+
+    def _gather_rows(self, local: Tensor, counts: list[int]) -> Tensor:
+        """all_gather over the data-parallel group (rows padded to the longest share): it only
+        moves tensors, so unlike an all_reduce it leaves the summation order to us."""
+        if self._dp[1] == 1:
+            return local
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        padded = local.new_zeros((max(counts),) + local.shape[1:])
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded, group=parallel_state.get_data_parallel_group())
+        return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
+
+    def _install_gradient(self, flat: Tensor) -> None:
+        offset = 0
+        for _, master in self._trainables():
+            n = master.numel()
+            master.grad = flat[offset : offset + n].view_as(master).to(master.dtype)
+            offset += n
+
     def _clip(self, params: list[torch.nn.Parameter]) -> float:
         """The gradients' total norm before clipping; clips to trainer.grad_clip unless 0."""
         if self.config.grad_clip > 0:
@@ -266,6 +305,17 @@ class PolicyTrainer(PolicyStep):
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
+
+
+def _data_parallel_rank(size: int) -> tuple[int, int]:
+    """(this rank's data-parallel index, `size`), checked against Megatron's parallel state."""
+    from megatron.core import parallel_state
+
+    world = parallel_state.get_data_parallel_world_size()
+    if world != size:
+        raise ValueError(f"trainer.data_parallel_size is {size}, but the process group holds "
+                         f"{world} data-parallel ranks")
+    return parallel_state.get_data_parallel_rank(), size
 
 
 def _copy_named(dst: dict[str, Tensor], src: dict[str, Tensor]) -> None:

@@ -16,9 +16,10 @@ from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 
 
 class TrainerWorker:
-    """One trainer rank. At trainer.tensor_parallel_size = N the driver starts N of these
-    (rl.cluster.TrainerGroup) with the same arguments, ranks 0..N-1 and one rendezvous file,
-    and calls every method on every rank; rank 0's result is the one used."""
+    """One trainer rank. At trainer.tensor_parallel_size x trainer.data_parallel_size = N the
+    driver starts N of these (rl.cluster.TrainerGroup) with the same arguments, ranks 0..N-1
+    and one rendezvous file, and calls every method on every rank; rank 0's result is the one
+    used (every rank ends a step with the same state: the gradients are gathered, not split)."""
 
     def __init__(
         self, model_path: str, dtype: str, *, parity: bool, lora: LoraConfig,
@@ -31,12 +32,14 @@ class TrainerWorker:
         # megatron-core 0.16.1's TP gathers call torch's all_gather_into_tensor, which torch
         # 2.13 marks deprecated: one FutureWarning per call, in every step's log otherwise.
         warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
-        size = trainer.tensor_parallel_size
+        size = trainer.tensor_parallel_size * trainer.data_parallel_size
         n = max(1, (os.cpu_count() or 1) // size)  # a share of the cores per rank, as vLLM's TP
         os.environ["OMP_NUM_THREADS"] = str(n)
         torch.set_num_threads(n)
         init_world(rank, size, rendezvous)
-        init_megatron(tp_size=size, seed=seed)
+        # Megatron's default rank order puts a TP group's ranks next to each other: rank r is
+        # TP rank r % TP of data-parallel rank r // TP.
+        init_megatron(tp_size=trainer.tensor_parallel_size, seed=seed)
         self.rank = rank
         self.lora = lora
         self.policy = PolicyTrainer(
