@@ -159,7 +159,7 @@ class Run:
         from trainer.backend import get_backend
 
         tp = cfg.trainer.tensor_parallel_size
-        self.pg = placement_group(n, use_gpus=False, trainer_ranks=tp)
+        self.pg = placement_group(n, use_gpus=False, trainer_ranks=tp, placement=cfg.ray.placement)
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING",
                             # JIT-built C++ ops (deepspeed_cpu_adam) are cached in the run dir.

@@ -1,0 +1,133 @@
+"""`kimi-rl train` on a two-node Ray cluster it did not start (tests/netns.py: two network
+namespaces joined by a veth pair, each with its own /tmp, /dev/shm and HOME). The cluster's
+owner starts a head on host a and joins host b, with token auth and a custom resource per node;
+the run connects with `ray.address` and the owner's token and places the rollout worker on
+host b, the trainer on host a (`ray.placement`). Every step must be bitwise (parity 1.0, KL 0)
+with the adapter synced across the link (checksums checked on host b), and a client without
+the token must be refused. Skipped where namespaces cannot be made (not root, a sandbox).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from rl.metrics import read_metrics
+from tests.netns import HOME, Host, Unavailable, start_ray_cluster, two_hosts
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+SHRINK = ["logging.wandb=disabled", "logging.console=false", "logging.plot=false",
+          "data.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=8"]
+STEPS = 3
+
+
+@dataclass
+class Cluster:
+    a: Host
+    b: Host
+    address: str
+    token: str
+    model: str
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def cluster(model_factory, tmp_path_factory) -> Iterator[Cluster]:
+    model = model_factory("llama")
+    tmp = tmp_path_factory.mktemp("multinode")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # COLUMNS: rich would wrap the console lines checked here.
+    env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", COLUMNS="400")
+    with contextlib.ExitStack() as stack:
+        try:
+            # The model and the test's directory are "on a shared file system"; nothing else is.
+            a, b = stack.enter_context(two_hosts([Path(model).parent, tmp], env))
+        except Unavailable as e:
+            pytest.skip(f"two hosts need network and mount namespaces: {e}")
+        token = secrets.token_hex(32)
+        yield Cluster(a, b, start_ray_cluster(a, b, token), token, model, tmp)
+
+
+def _python(host: Host, code: str, **env: str) -> subprocess.CompletedProcess:
+    return host.run([sys.executable, "-c", code], check=False, timeout=180, **env)
+
+
+def test_train_rollout_on_host_b_trainer_on_host_a(cluster: Cluster):
+    a, b = cluster.a, cluster.b
+    run_dir, log = cluster.tmp / "run", cluster.tmp / "train.log"
+    rx_before = b.veth_bytes()[0]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            a.command([sys.executable, "-m", "rl.cli", "train", str(QUICKSTART), f"model.path={cluster.model}",
+                       f"run_dir={run_dir}", *SHRINK, f"total_steps={STEPS}", f"ray.address={cluster.address}",
+                       "ray.placement.rollout=host_b", "ray.placement.trainer=host_a"]),
+            cwd=ROOT, env=a.environment(RAY_AUTH_MODE="token"), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=400)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"timed out:\n{log.read_text()[-3000:]}") from None
+    assert rc == 0, log.read_text()[-3000:]
+    rx = b.veth_bytes()[0] - rx_before
+
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert r["parity/tokens"] > 0
+        assert r["parity/bitwise_equal_fraction"] == 1.0, r
+        assert r["parity/max_abs_diff"] == r["parity/kl_k1"] == r["parity/kl_k3"] == 0.0
+        assert r["sync/checksum_ok"] == 1.0  # the rollout worker on host b holds the trainer's bytes
+        assert isinstance(r["sync/seconds"], float) and r["sync/seconds"] > 0
+
+    # Where Ray ran each actor (its own actor table, read by a client holding the token).
+    placed = _python(a, f"""
+import json, ray
+ray.init(address={cluster.address!r}, logging_level="error")
+print(json.dumps([(v["ActorClassName"], v["Address"]["IPAddress"]) for v in ray._private.state.actors().values()]))
+""", RAY_AUTH_MODE="token")
+    assert placed.returncode == 0, placed.stderr[-2000:]
+    actors = json.loads(placed.stdout.strip().splitlines()[-1])
+    rollout = {ip for name, ip in actors if name == "RolloutWorker"}
+    trainer = {ip for name, ip in actors if name.endswith("Worker") and name != "RolloutWorker"}
+    assert rollout == {b.address}, actors
+    assert trainer == {a.address}, actors
+
+    # The adapter crossed the link to host b at every sync (one before each step's rollout).
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    adapter = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+    assert rx >= adapter_bytes * STEPS, (rx, adapter_bytes)
+    print(f"host b received {rx} bytes; adapter {adapter_bytes} bytes x {STEPS} steps; "
+          f"sync seconds {[round(r['sync/seconds'], 4) for r in records]}")
+
+
+_GCS_KEYS = """
+from ray._raylet import GcsClient
+GcsClient(address={address!r}).internal_kv_keys(b"", namespace=None, timeout=30)
+print("ACCEPTED")
+"""
+
+
+def test_client_without_the_token_is_refused(cluster: Cluster):
+    """Ray's own GCS client, from host b: accepted with the owner's token; refused with no token
+    file anywhere it can read (an empty HOME, no RAY_AUTH_TOKEN*), and with a wrong token."""
+    code = _GCS_KEYS.format(address=cluster.address)
+    ok = _python(cluster.b, code, RAY_AUTH_MODE="token")
+    assert "ACCEPTED" in ok.stdout, ok.stdout + ok.stderr[-2000:]
+    cluster.b.run(["mkdir", "-p", "/tmp/stranger"])
+    for env in ({"HOME": "/tmp/stranger"}, {"HOME": "/tmp/stranger", "RAY_AUTH_MODE": "token"},
+                {"HOME": HOME, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}):
+        refused = _python(cluster.b, code, **env)
+        assert "ACCEPTED" not in refused.stdout, env
+        assert refused.returncode != 0, env
