@@ -102,8 +102,9 @@ def placement_group(num_rollout_workers: int, use_gpus: bool, trainer_ranks: int
     for role in ("rollout", "trainer"):
         name = getattr(placement, role)
         if name is not None and name not in resources:
-            raise UserError(f"ray.placement.{role}: no node of the cluster has the resource {name!r} "
-                            f"(its custom resources: {', '.join(sorted(_custom(resources))) or 'none'})")
+            address = ray.get_runtime_context().gcs_address
+            raise UserError(f"ray.placement.{role}: the cluster at {address} has no node with the resource "
+                            f"{name!r} (its custom resources: {', '.join(sorted(_custom(resources))) or 'none'})")
 
     def bundle(name: str | None) -> dict[str, float]:
         b = {"GPU": 1.0} if use_gpus else {"CPU": 1.0}

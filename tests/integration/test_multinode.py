@@ -63,22 +63,28 @@ def _python(host: Host, code: str, **env: str) -> subprocess.CompletedProcess:
     return host.run([sys.executable, "-c", code], check=False, timeout=180, **env)
 
 
-def test_train_rollout_on_host_b_trainer_on_host_a(cluster: Cluster):
-    a, b = cluster.a, cluster.b
-    run_dir, log = cluster.tmp / "run", cluster.tmp / "train.log"
-    rx_before = b.veth_bytes()[0]
+def _train(cluster: Cluster, run_dir: Path, *args: str) -> tuple[int, str]:
+    """`kimi-rl train` from host a (the driver on the head's host), connected with the token."""
+    log = cluster.tmp / f"{run_dir.name}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            a.command([sys.executable, "-m", "rl.cli", "train", str(QUICKSTART), f"model.path={cluster.model}",
-                       f"run_dir={run_dir}", *SHRINK, f"total_steps={STEPS}", f"ray.address={cluster.address}",
-                       "ray.placement.rollout=host_b", "ray.placement.trainer=host_a"]),
-            cwd=ROOT, env=a.environment(RAY_AUTH_MODE="token"), stdout=out, stderr=subprocess.STDOUT)
+            cluster.a.command([sys.executable, "-m", "rl.cli", "train", str(QUICKSTART), f"model.path={cluster.model}",
+                               f"run_dir={run_dir}", *SHRINK, f"ray.address={cluster.address}", *args]),
+            cwd=ROOT, env=cluster.a.environment(RAY_AUTH_MODE="token"), stdout=out, stderr=subprocess.STDOUT)
         try:
-            rc = proc.wait(timeout=400)
+            return proc.wait(timeout=400), log.read_text()
         except subprocess.TimeoutExpired:
             proc.kill()
             raise AssertionError(f"timed out:\n{log.read_text()[-3000:]}") from None
-    assert rc == 0, log.read_text()[-3000:]
+
+
+def test_train_rollout_on_host_b_trainer_on_host_a(cluster: Cluster):
+    a, b = cluster.a, cluster.b
+    run_dir = cluster.tmp / "run"
+    rx_before = b.veth_bytes()[0]
+    rc, output = _train(cluster, run_dir, f"total_steps={STEPS}", "ray.placement.rollout=host_b",
+                        "ray.placement.trainer=host_a")
+    assert rc == 0, output[-3000:]
     rx = b.veth_bytes()[0] - rx_before
 
     records = read_metrics(run_dir)
@@ -120,14 +126,22 @@ print("ACCEPTED")
 
 
 def test_client_without_the_token_is_refused(cluster: Cluster):
-    """Ray's own GCS client, from host b: accepted with the owner's token; refused with no token
-    file anywhere it can read (an empty HOME, no RAY_AUTH_TOKEN*), and with a wrong token."""
+    """Ray's own GCS client, from host b: accepted with the owner's token; refused by the GCS
+    with no token file anywhere it can read (an empty HOME, no RAY_AUTH_* variables), and with
+    a wrong token."""
     code = _GCS_KEYS.format(address=cluster.address)
     ok = _python(cluster.b, code, RAY_AUTH_MODE="token")
     assert "ACCEPTED" in ok.stdout, ok.stdout + ok.stderr[-2000:]
     cluster.b.run(["mkdir", "-p", "/tmp/stranger"])
-    for env in ({"HOME": "/tmp/stranger"}, {"HOME": "/tmp/stranger", "RAY_AUTH_MODE": "token"},
+    for env in ({"HOME": "/tmp/stranger"},
                 {"HOME": HOME, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}):
         refused = _python(cluster.b, code, **env)
         assert "ACCEPTED" not in refused.stdout, env
-        assert refused.returncode != 0, env
+        assert "AuthenticationError" in refused.stderr and "InvalidAuthToken" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_a_resource_no_node_has_is_a_one_line_error(cluster: Cluster):
+    rc, output = _train(cluster, cluster.tmp / "nowhere", "total_steps=1", "ray.placement.rollout=host_c")
+    assert rc == 2, output[-3000:]
+    assert ("kimi-rl: error: ray.placement.rollout: the cluster at 10.77.0.1:6379 has no node with "
+            "the resource 'host_c' (its custom resources: host_a, host_b)") in output, output[-3000:]
