@@ -108,16 +108,16 @@ def namespace_pids(name: str) -> list[int]:
     return [int(p) for p in proc.stdout.split()]
 
 
-def kill_namespace(name: str, sig: int = signal.SIGKILL) -> None:
-    """Signal every process in network namespace `name`, until none is left (Ray's processes
-    start others while they go)."""
+def kill_namespace(name: str, keep: int | None = None) -> None:
+    """SIGKILL every process in network namespace `name` but `keep`, until none is left (Ray's
+    processes start others while they go)."""
     for _ in range(50):
-        pids = namespace_pids(name)
+        pids = [p for p in namespace_pids(name) if p != keep]
         if not pids:
             return
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+                os.kill(pid, signal.SIGKILL)
         time.sleep(0.1)
 
 
@@ -179,11 +179,20 @@ def start_ray_cluster(head: Host, worker: Host, token: str, num_cpus: int = 2) -
     Ray's default place, ~/.ray/auth_token, in each host's private HOME) and one custom
     resource named after its host ("host_a", "host_b"). Returns the head's GCS address."""
     address = f"{head.address}:{RAY_PORT}"
-    for host, args in ((head, ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"]),
-                       (worker, [f"--address={address}"])):
+    for host in (head, worker):
         host.write(f"{HOME}/.ray/auth_token", token)
-        resource = "host_" + host.name[-1]
-        host.run(["ray", "start", *args, f"--node-ip-address={host.address}", f"--num-cpus={num_cpus}",
-                  f"--resources={json.dumps({resource: 1})}", "--disable-usage-stats"],
-                 timeout=180, RAY_AUTH_MODE="token")
+    _ray_start(head, ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"], num_cpus)
+    join_ray_cluster(worker, address, num_cpus)
     return address
+
+
+def join_ray_cluster(host: Host, address: str, num_cpus: int = 2) -> None:
+    """`ray start --address` from `host` (again, after its node was killed)."""
+    _ray_start(host, [f"--address={address}"], num_cpus)
+
+
+def _ray_start(host: Host, args: list[str], num_cpus: int) -> None:
+    resource = "host_" + host.name[-1]
+    host.run(["ray", "start", *args, f"--node-ip-address={host.address}", f"--num-cpus={num_cpus}",
+              f"--resources={json.dumps({resource: 1})}", "--disable-usage-stats"],
+             timeout=180, RAY_AUTH_MODE="token")

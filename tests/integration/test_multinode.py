@@ -12,24 +12,41 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from rl.metrics import read_metrics
-from tests.netns import HOME, Host, Unavailable, start_ray_cluster, two_hosts
+from tests.netns import (
+    HOME,
+    Host,
+    Unavailable,
+    join_ray_cluster,
+    kill_namespace,
+    namespace_pids,
+    start_ray_cluster,
+    two_hosts,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-SHRINK = ["logging.wandb=disabled", "logging.console=false", "logging.plot=false",
-          "data.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=8"]
 STEPS = 3
+SHRINK = ["logging.wandb=disabled", "logging.console=false", "logging.plot=false",
+          "data.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_tokens=8",
+          "checkpoint.every=1", f"total_steps={STEPS}"]
+PLACED = ["ray.placement.rollout=host_b", "ray.placement.trainer=host_a"]
+# Keys whose values are wall-clock times: everything else must repeat exactly.
+TIMING = ("time/", "sync/seconds")
 
 
 @dataclass
@@ -63,30 +80,48 @@ def _python(host: Host, code: str, **env: str) -> subprocess.CompletedProcess:
     return host.run([sys.executable, "-c", code], check=False, timeout=180, **env)
 
 
-def _train(cluster: Cluster, run_dir: Path, *args: str) -> tuple[int, str]:
+def _start_train(cluster: Cluster, run_dir: Path, *args: str) -> tuple[subprocess.Popen, Path]:
     """`kimi-rl train` from host a (the driver on the head's host), connected with the token."""
-    log = cluster.tmp / f"{run_dir.name}.log"
+    log = cluster.tmp / f"{run_dir.name}-{len(list(cluster.tmp.glob('*.log')))}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
             cluster.a.command([sys.executable, "-m", "rl.cli", "train", str(QUICKSTART), f"model.path={cluster.model}",
                                f"run_dir={run_dir}", *SHRINK, f"ray.address={cluster.address}", *args]),
             cwd=ROOT, env=cluster.a.environment(RAY_AUTH_MODE="token"), stdout=out, stderr=subprocess.STDOUT)
-        try:
-            return proc.wait(timeout=400), log.read_text()
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise AssertionError(f"timed out:\n{log.read_text()[-3000:]}") from None
+    return proc, log
 
 
-def test_train_rollout_on_host_b_trainer_on_host_a(cluster: Cluster):
-    a, b = cluster.a, cluster.b
+def _train(cluster: Cluster, run_dir: Path, *args: str) -> tuple[int, str]:
+    proc, log = _start_train(cluster, run_dir, *args)
+    try:
+        return proc.wait(timeout=400), log.read_text()
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"timed out:\n{log.read_text()[-3000:]}") from None
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in read_metrics(run_dir)]
+
+
+def _adapter(run_dir: Path) -> dict:
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    return load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def straight(cluster: Cluster) -> tuple[Path, str, int]:
+    """The straight two-host run: (run dir, console output, bytes host b received meanwhile)."""
     run_dir = cluster.tmp / "run"
-    rx_before = b.veth_bytes()[0]
-    rc, output = _train(cluster, run_dir, f"total_steps={STEPS}", "ray.placement.rollout=host_b",
-                        "ray.placement.trainer=host_a")
+    rx_before = cluster.b.veth_bytes()[0]
+    rc, output = _train(cluster, run_dir, *PLACED)
     assert rc == 0, output[-3000:]
-    rx = b.veth_bytes()[0] - rx_before
+    return run_dir, output, cluster.b.veth_bytes()[0] - rx_before
 
+
+def test_train_rollout_on_host_b_trainer_on_host_a(cluster: Cluster, straight):
+    a, b = cluster.a, cluster.b
+    run_dir, _, rx = straight
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
@@ -110,8 +145,7 @@ print(json.dumps([(v["ActorClassName"], v["Address"]["IPAddress"]) for v in ray.
     assert trainer == {a.address}, actors
 
     # The adapter crossed the link to host b at every sync (one before each step's rollout).
-    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
-    adapter = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+    adapter = _adapter(run_dir)
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
     assert rx >= adapter_bytes * STEPS, (rx, adapter_bytes)
     print(f"host b received {rx} bytes; adapter {adapter_bytes} bytes x {STEPS} steps; "
@@ -141,7 +175,38 @@ def test_client_without_the_token_is_refused(cluster: Cluster):
 
 
 def test_a_resource_no_node_has_is_a_one_line_error(cluster: Cluster):
-    rc, output = _train(cluster, cluster.tmp / "nowhere", "total_steps=1", "ray.placement.rollout=host_c")
+    rc, output = _train(cluster, cluster.tmp / "nowhere", "ray.placement.rollout=host_c")
     assert rc == 2, output[-3000:]
     assert ("kimi-rl: error: ray.placement.rollout: the cluster at 10.77.0.1:6379 has no node with "
             "the resource 'host_c' (its custom resources: host_a, host_b)") in output, output[-3000:]
+
+
+def test_rollout_node_killed_then_resume_on_a_rejoined_node(cluster: Cluster, straight):
+    """Host b's raylet killed (by pid) once step 1's checkpoint exists: the run stops with a
+    line naming the node and the checkpoint to resume from; host b joins again and
+    `--resume` ends with the straight run's metrics and adapter, bitwise. Runs last: it
+    leaves host b re-joined under a new node id."""
+    run_dir = cluster.tmp / "killed"
+    proc, log = _start_train(cluster, run_dir, *PLACED)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    raylets = [pid for pid in namespace_pids(cluster.b.name) if Path(f"/proc/{pid}/comm").read_text().strip() == "raylet"]
+    assert len(raylets) == 1, raylets
+    os.kill(raylets[0], signal.SIGKILL)
+    assert proc.wait(timeout=240) == 1, log.read_text()[-3000:]
+    output = log.read_text()
+    here = re.escape(str(run_dir))
+    assert re.search(r"kimi-rl: error: step [23]: node 10\.77\.0\.2 \(rollout worker 0\) left the Ray cluster "
+                     rf"\(\w+\); the step was not applied; the last checkpoint is {here}/checkpoints/step_00000[12]: "
+                     rf"continue with --resume {here}\n", output), output[-3000:]
+
+    kill_namespace(cluster.b.name, keep=cluster.b.holder.pid)  # what was left of the node
+    join_ray_cluster(cluster.b, cluster.address)
+    rc, output = _train(cluster, run_dir, *PLACED, "--resume", str(run_dir))
+    assert rc == 0, output[-3000:]
+    straight_dir = straight[0]
+    assert _metrics(run_dir) == _metrics(straight_dir)
+    a, b = _adapter(run_dir), _adapter(straight_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
