@@ -10,7 +10,8 @@ import secrets
 import tempfile
 from pathlib import Path
 
-from rl.config import RayConfig
+from rl.config import PlacementConfig, RayConfig
+from rl.errors import UserError
 from rl.quiet import worker_runtime_env
 from rl.ray_patches import bind_to_loopback
 
@@ -82,17 +83,43 @@ def _reload_ray_auth() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-def placement_group(num_rollout_workers: int, use_gpus: bool, trainer_ranks: int = 1):
+# How much of a ray.placement resource each bundle asks for: the resource marks a node
+# (`--resources '{"host_b": 1}'`), it does not count slots, so any number of bundles must fit.
+_PLACEMENT_SHARE = 0.001
+
+
+def placement_group(num_rollout_workers: int, use_gpus: bool, trainer_ranks: int = 1,
+                    placement: PlacementConfig | None = None):
     """One bundle per rollout worker, then one per trainer rank. CPU bundles ask for one
     logical CPU each: the loop is synchronous (rollout, then training), so every actor may use
-    all cores while it works; torch threads are set per actor, not by this bundle."""
+    all cores while it works; torch threads are set per actor, not by this bundle. A role with
+    a `ray.placement` resource gets bundles only on nodes that have it."""
     import ray
     from ray.util.placement_group import placement_group as make
 
-    resource = {"GPU": 1} if use_gpus else {"CPU": 1}
-    pg = make([dict(resource) for _ in range(num_rollout_workers + trainer_ranks)], strategy="PACK")
+    placement = placement or PlacementConfig()
+    resources = ray.cluster_resources()
+    for role in ("rollout", "trainer"):
+        name = getattr(placement, role)
+        if name is not None and name not in resources:
+            address = ray.get_runtime_context().gcs_address
+            raise UserError(f"ray.placement.{role}: the cluster at {address} has no node with the resource "
+                            f"{name!r} (its custom resources: {', '.join(sorted(_custom(resources))) or 'none'})")
+
+    def bundle(name: str | None) -> dict[str, float]:
+        b = {"GPU": 1.0} if use_gpus else {"CPU": 1.0}
+        return b | ({name: _PLACEMENT_SHARE} if name else {})
+
+    bundles = ([bundle(placement.rollout) for _ in range(num_rollout_workers)]
+               + [bundle(placement.trainer) for _ in range(trainer_ranks)])
+    pg = make(bundles, strategy="PACK")
     ray.get(pg.ready())
     return pg
+
+
+def _custom(resources: dict[str, float]) -> list[str]:
+    return [k for k in resources if k not in ("CPU", "GPU", "memory", "object_store_memory")
+            and not k.startswith("node:")]
 
 
 class TrainerGroup:

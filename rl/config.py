@@ -41,13 +41,16 @@ from trainer.config import (
 
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EnvConfig", "LoggingConfig",
-    "LoraConfig", "ModelConfig", "ParityConfig", "RayConfig", "RewardConfig", "RolloutConfig", "SyncConfig",
+    "LoraConfig", "ModelConfig", "ParityConfig", "PlacementConfig", "RayConfig", "RewardConfig", "RolloutConfig", "SyncConfig",
     "TrainerConfig", "dump_config", "load_config", "resolve_callable", "resolve_env",
 ]
 
 BUILTIN_HOOKS = ("checksum", "timing", "parity_probe")
 # "package.module:attr.sub": user code is imported only from a name spelled out like this.
 _CALLABLE_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+# A custom resource of ray.placement: a plain name, none of Ray's own (nor node:<ip>).
+_RESOURCE_NAME = re.compile(r"[A-Za-z_][\w.-]*")
+_RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "TPU", "memory", "object_store_memory")
 # PyYAML follows YAML 1.1, where `1e-4` (no dot) is a string, not a float; float fields accept it.
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
@@ -63,12 +66,22 @@ class ModelConfig:
 
 
 @dataclass
+class PlacementConfig:
+    # The Ray custom resource (`ray start --resources '{"host_b": 1}'`) of the node(s) that run
+    # the rollout workers / the trainer's ranks; None lets Ray choose. Needs ray.address: the
+    # run's own local cluster is one node with no custom resources.
+    rollout: str | None = None
+    trainer: str | None = None
+
+
+@dataclass
 class RayConfig:
     address: str | None = None  # None starts a local cluster for this run
     num_cpus: int | None = setting(None, ge=1)  # None lets Ray count the cores
     dashboard: bool = False
     # None means <run_dir>/ray: Ray's temp and auth files must stay out of the user's home.
     temp_dir: str | None = setting(None, path=True)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 @dataclass
@@ -362,6 +375,23 @@ def _check(cfg: Config, sources: _Sources) -> None:
     _check_algorithm(cfg, sources)
     _check_data_reward_hooks(cfg, sources)
     _check_env(cfg, sources)
+    _check_placement(cfg, sources)
+
+
+def _check_placement(cfg: Config, sources: _Sources) -> None:
+    """ray.placement names custom resources of an existing cluster; whether the cluster has
+    them is checked when the run connects (rl.cluster.placement_group)."""
+    for role in ("rollout", "trainer"):
+        resource = getattr(cfg.ray.placement, role)
+        if resource is None:
+            continue
+        key = f"ray.placement.{role}"
+        if cfg.ray.address is None:
+            raise sources.error(key, "needs ray.address: the run's own local cluster is one node with "
+                                "no custom resources")
+        if not _RESOURCE_NAME.fullmatch(resource) or resource in _RAY_BUILTIN_RESOURCES:
+            raise sources.error(key, f"expected the name of a custom Ray resource (as in ray start "
+                                f"--resources '{{\"host_b\": 1}}'), got {resource!r}")
 
 
 def _check_env(cfg: Config, sources: _Sources) -> None:

@@ -166,7 +166,7 @@ class Run:
         from trainer.backend import get_backend
 
         world = trainer_ranks(cfg)
-        self.pg = placement_group(n, use_gpus=False, trainer_ranks=world)
+        self.pg = placement_group(n, use_gpus=False, trainer_ranks=world, placement=cfg.ray.placement)
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING",
                             # JIT-built C++ ops (deepspeed_cpu_adam) are cached in the run dir.
@@ -201,6 +201,7 @@ class Run:
         )
         self.workers = [self._make_worker(i) for i in range(n)]
         ray.get(self.trainer.lora_scaling.remote())  # wait until the trainer is up (or raise)
+        self.worker_nodes = [_node_of(w) for w in self.workers]
 
     def _max_model_len(self) -> int:
         from parity.model_spec import load_spec
@@ -256,6 +257,22 @@ class Run:
 
         ray.kill(self.workers[index], no_restart=True)
         self.workers[index] = self._make_worker(index)
+        self.worker_nodes[index] = _node_of(self.workers[index])
+
+    def lost_nodes(self, wait_s: float) -> list[str]:
+        """"node <ip> (rollout worker i)" for each rollout worker whose node has left the
+        cluster. A killed node's raylet is declared dead by the GCS only after its health
+        checks fail (seconds later), so this polls for up to wait_s while every node looks alive."""
+        import ray
+
+        end = time.monotonic() + wait_s
+        while True:
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            lost = [f"node {ip} (rollout worker {i})" for i, (node, ip) in enumerate(self.worker_nodes)
+                    if node not in alive]
+            if lost or time.monotonic() >= end:
+                return lost
+            time.sleep(1)
 
     def close(self) -> None:
         import ray
@@ -432,10 +449,16 @@ def train(cfg: Config, console=None) -> Path:
         if cfg.total_steps > start_step:
             save(loop.run, run_dir, cfg.total_steps, source, cfg)
     except ray.exceptions.RayActorError as e:
-        if _alive(loop.run.trainer):
-            raise
-        raise RunFailed(f"step {loop.step}: the trainer process died "
-                        f"({type(e).__name__}); the step was not applied; {_last_checkpoint(run_dir)}") from None
+        if not _alive(loop.run.trainer):
+            raise RunFailed(f"step {loop.step}: the trainer process died ({type(e).__name__}); "
+                            f"the step was not applied; {_last_checkpoint(run_dir)}") from None
+        try:
+            check_nodes(loop.run, e)
+        except NodeLost as lost:
+            raise _node_lost(loop, lost) from None
+        raise
+    except NodeLost as lost:  # found by generate_with_restart
+        raise _node_lost(loop, lost) from None
     finally:
         stop.restore()
         logs.close()
@@ -565,6 +588,10 @@ def _alive(actor) -> bool:
         return True
     except Exception:  # dead, or not answering: either way it cannot go on
         return False
+
+
+def _node_lost(loop: Loop, lost: NodeLost) -> RunFailed:
+    return RunFailed(f"step {loop.step}: {lost}; the step was not applied; {_last_checkpoint(loop.run_dir)}")
 
 
 def _last_checkpoint(run_dir: Path) -> str:
@@ -782,6 +809,7 @@ def generate_with_restart(run: Run, prompts: list[list[int]], step: int, logs: L
     try:
         return run.generate(prompts, step, turn)
     except ray.exceptions.RayActorError as e:
+        check_nodes(run, e)
         dead = _dead_workers(run)
         if not dead:
             raise
@@ -794,6 +822,31 @@ def generate_with_restart(run: Run, prompts: list[list[int]], step: int, logs: L
             return run.generate(prompts, step, turn)
         except ray.exceptions.RayActorError as e2:
             raise UserError(f"step {step}: a rollout worker died again after a restart: {e2}") from None
+
+
+class NodeLost(Exception):
+    """A node that runs rollout workers left the Ray cluster: no restart can place them again
+    (their bundles wait for a node with the resource), so the run stops."""
+
+
+def _node_of(actor) -> tuple[str, str]:
+    """(node id, node IP) of the node running the actor."""
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(
+        lambda _: (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())))
+
+
+def check_nodes(run: Run, error: Exception) -> None:
+    """Raise NodeLost if a rollout worker's node is gone. ActorUnavailableError (the worker's
+    connection closed without a death notice) is how a node's loss shows first: wait for the
+    GCS's verdict then; other actor errors come after it."""
+    import ray
+
+    wait = 60.0 if isinstance(error, ray.exceptions.ActorUnavailableError) else 0.0
+    lost = run.lost_nodes(wait)
+    if lost:
+        raise NodeLost(f"{', '.join(lost)} left the Ray cluster ({type(error).__name__})")
 
 
 def _dead_workers(run: Run) -> list[int]:

@@ -390,3 +390,22 @@ def test_sample_keys_under_one_worker_are_the_engines_own():
         seed = rollout_seed(3, step, 0, turn)
         assert sample_keys(3, step, 5, turn) == [request_key(seed, 0, i, 0) for i in range(5)]
     assert len(set(sample_keys(3, 1, 64))) == 64
+
+
+@pytest.mark.parametrize(("body", "line", "phrase"), [
+    ("ray:\n  placement: {rollout: host_b}\n", 5, "ray.placement.rollout: needs ray.address"),
+    ("ray:\n  address: 10.0.0.1:6379\n  placement: {trainer: CPU}\n", 6,
+     "ray.placement.trainer: expected the name of a custom Ray resource"),
+    ("ray:\n  address: 10.0.0.1:6379\n  placement: {rollout: 'node:10.0.0.2'}\n", 6,
+     "ray.placement.rollout: expected the name of a custom Ray resource"),
+])
+def test_placement_errors(write, body: str, line: int, phrase: str) -> None:
+    path = write(body)
+    message = error(path)
+    assert message.startswith(f"{path}:{line}: ") and phrase in message, message
+
+
+def test_placement_defaults_and_keys(write) -> None:
+    cfg = load_config(write(), ["ray.address=10.0.0.1:6379", "ray.placement.rollout=host_b"])
+    assert (cfg.ray.placement.rollout, cfg.ray.placement.trainer) == ("host_b", None)
+    assert load_config(write()).ray.placement.rollout is None
