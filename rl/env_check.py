@@ -35,7 +35,7 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
     from parity.hf_config import register_hf_config
     from parity.model_spec import load_spec
     from rl.env import Budget, run_trajectories
-    from rollout.engine import RolloutEngine
+    from rollout.engine import RolloutEngine, Stop
 
     register_hf_config()  # kimi-mini's config.json names a model type transformers lacks
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
@@ -49,8 +49,8 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        tensor_parallel_size=args.rollout_tp) as engine:
 
-        def generate(prompts: list[list[int]], turn: int) -> list[dict]:
-            done = engine.generate(prompts, max_tokens=args.max_tokens, sampling=args.sampling)
+        def generate(prompts: list[list[int]], turn: int, stop: Stop | None) -> list[dict]:
+            done = engine.generate(prompts, max_tokens=args.max_tokens, sampling=args.sampling, stop=stop)
             outputs.append(done)
             return [{"token_ids": c.token_ids, "rollout_logprobs": c.rollout_logprobs} for c in done]
 

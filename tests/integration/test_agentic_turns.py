@@ -1,0 +1,136 @@
+"""Agentic turns on the real vLLM engine: a turn ends at the close of its tool call.
+
+Stop at `</tool_call>`. A random-init model never writes a tool call, so these tests build one
+that always does: a tiny Llama whose layers add nothing (o_proj and down_proj zero: the next
+token is a function of the current token alone) and whose lm_head maps the assistant header to
+`<tool_call>`, that to the call's JSON, that to `</tool_call>`, each with a logit of 30 (the
+rest are the random ones, about 1). The call's tokens are added to the tokenizer: once with
+`</tool_call>` as a token of its own (the stop is its id, matched by the engine), once only
+inside the token that holds the call's JSON (the stop is a string, matched on vLLM's
+detokenized text). After `</tool_call>` the model writes random tokens: only the stop ends the
+turn there. Every turn's call is parsed and run by rl.env.ToolEnv; the trajectory is exactly
+what vLLM generated plus the observation ids, and the trainer's log-probs equal the rollout's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity.sampling import Sampling
+from rl.checker import CheckArgs, env_samples, rescore
+from rl.env import ToolEnv, chat_prompt_ids, tool_call_stop
+from rl.env_check import run_env_check, sample_trajectories
+from rl.tools import ToolCall, parse_tool_calls
+from rollout.engine import Stop
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+BODY = '{"name": "calculator", "arguments": {"expression": "6 * 7"}}'
+# The added tokens of each variant: the stop by id, the stop by string.
+CHAINS = {"stop-id": [OPEN, BODY, CLOSE], "stop-string": [OPEN, BODY + CLOSE]}
+TURNS = 3
+
+
+def _tool_caller(out: Path, chain_texts: list[str]) -> str:
+    """The tiny Llama of the module docstring, writing `chain_texts` (added tokens) after every
+    assistant header; returns its directory."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from rl.models import init_model
+
+    path = init_model(arch="llama", preset="tiny", seed=0, out_dir=out,
+                      overrides={"vocab_size": 576, "tie_word_embeddings": False})
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_tokens(chain_texts)  # ids 512.. (the vocabulary is padded to 576)
+    tokenizer.save_pretrained(str(path), save_jinja_files=False)
+    header = chat_prompt_ids(tokenizer, [{"role": "user", "content": "?"}])[-1]
+    chain = [header, *tokenizer.convert_tokens_to_ids(chain_texts)]
+    w = load_file(str(path / "model.safetensors"))
+    for name, tensor in w.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+    embed, head, norm = w["model.embed_tokens.weight"], w["lm_head.weight"], w["model.norm.weight"]
+    g = torch.Generator().manual_seed(1)
+    for i, t in enumerate(chain[1:], 1):  # new rows orthogonal to the chain's earlier ones
+        v = torch.randn(embed.shape[1], generator=g)
+        for b in chain[:i]:
+            v -= (v @ embed[b]) / (embed[b] @ embed[b]) * embed[b]
+        embed[t] = v / v.norm() * embed[header].norm()
+    hidden = embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+    for a, b in zip(chain, chain[1:], strict=False):
+        head[b] = 30 * hidden[a] / (hidden[a] @ hidden[a])
+    logits = hidden[chain[:-1]] @ head.T
+    assert logits.argmax(-1).tolist() == chain[1:] and (logits.topk(2).values.diff().abs() > 20).all()
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tool_caller(tmp_path_factory):
+    cache: dict[str, str] = {}
+
+    def make(variant: str) -> str:
+        if variant not in cache:
+            cache[variant] = _tool_caller(tmp_path_factory.mktemp(variant) / "model", CHAINS[variant])
+        return cache[variant]
+
+    return make
+
+
+def _args(model: str, dtype: str = "fp32", env: str = "tools", num_prompts: int = 2, max_tokens: int = 12,
+          **kwargs) -> CheckArgs:
+    return CheckArgs(model=Path(model), dtype=dtype, prompts=None, num_prompts=num_prompts,
+                     max_tokens=max_tokens, batch_sizes=[num_prompts], parity=True, seed=0, report=None,
+                     max_num_batched_tokens=None, sampling=Sampling(), env=env, max_turns=TURNS, **kwargs)
+
+
+@pytest.mark.parametrize("variant", list(CHAINS))
+def test_a_turn_ends_at_the_close_of_its_tool_call(tool_caller, megatron, variant):
+    from transformers import AutoTokenizer
+
+    model = tool_caller(variant)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    chain = tokenizer.convert_tokens_to_ids(CHAINS[variant])
+    expected_stop = Stop(token_ids=(chain[-1],)) if variant == "stop-id" else Stop(strings=(CLOSE,))
+    assert tool_call_stop(tokenizer) == expected_stop
+    args = _args(model, env_kwargs={"system_prompt": False})
+    result = run_env_check(args, ToolEnv, env_samples(args), rescore)
+    for t in result.trajectories:
+        assert len(t.turns) == TURNS and t.error is None
+        for gen, _ in t.turns:
+            # The turn is the call and nothing after it, as the ids vLLM sampled.
+            assert gen == chain
+            (call,) = parse_tool_calls(tokenizer.decode(gen, skip_special_tokens=True))
+            assert call == ToolCall("calculator", {"expression": "6 * 7"})
+        for _, obs in t.turns[:-1]:
+            assert "\n42<|im_end|>" in tokenizer.decode(obs)
+        assert t.ids() == t.prompt_ids + [i for gen, obs in t.turns for i in gen + obs]
+    for turn, outputs in enumerate(result.engine_outputs):
+        for t, out in zip(result.trajectories, outputs, strict=True):
+            assert out.prompt_ids == t.prompt_ids + [i for gen, obs in t.turns[:turn] for i in gen + obs]
+            assert out.token_ids == t.turns[turn][0]
+    report = result.report
+    assert report["passed"] and report["tokens_compared"] == report["tokens_equal"] == 2 * TURNS * len(chain)
+    assert (report["tool_calls"], report["tool_errors"]) == (2 * TURNS, 0)
+
+
+class NoStop(ToolEnv):
+    """ToolEnv without the stop: a turn runs on to EOS or its budget."""
+
+    def turn_stop(self) -> None:
+        return None
+
+
+def test_without_the_stop_the_model_runs_on_after_its_call(tool_caller):
+    from transformers import AutoTokenizer
+
+    model = tool_caller("stop-id")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    args = _args(model, env_kwargs={"system_prompt": False})
+    trajectories, _, _ = sample_trajectories(args, NoStop, env_samples(args))
+    first = trajectories[0].turns[0][0]
+    assert first[:3] == tokenizer.convert_tokens_to_ids(CHAINS["stop-id"]) and len(first) == args.max_tokens
+
