@@ -1,4 +1,5 @@
-"""Agentic turns on the real vLLM engine: a turn ends at the close of its tool call.
+"""Agentic turns on the real vLLM engine: a turn ends at the close of its tool call, and prefix
+caching between turns changes no bit.
 
 Stop at `</tool_call>`. A random-init model never writes a tool call, so these tests build one
 that always does: a tiny Llama whose layers add nothing (o_proj and down_proj zero: the next
@@ -10,6 +11,10 @@ inside the token that holds the call's JSON (the stop is a string, matched on vL
 detokenized text). After `</tool_call>` the model writes random tokens: only the stop ends the
 turn there. Every turn's call is parsed and run by rl.env.ToolEnv; the trajectory is exactly
 what vLLM generated plus the observation ids, and the trainer's log-probs equal the rollout's.
+
+Prefix caching: the same 3-turn trajectories sampled with the engine's prefix cache on and off
+(a cold recompute of every turn) give the same tokens and bitwise-equal log-probs, and turns 2
+and 3 take their earlier turns' blocks from the cache (hits counted per turn).
 """
 
 from __future__ import annotations
@@ -134,3 +139,58 @@ def test_without_the_stop_the_model_runs_on_after_its_call(tool_caller):
     first = trajectories[0].turns[0][0]
     assert first[:3] == tokenizer.convert_tokens_to_ids(CHAINS["stop-id"]) and len(first) == args.max_tokens
 
+
+# --- prefix caching between turns ------------------------------------------------------------
+
+CACHE_CASES = [("llama", "fp32"), ("qwen3", "fp32"), ("llama", "bf16"), ("qwen3", "bf16")]
+BLOCK = 128  # vLLM's CPU KV-cache block: only full blocks are cached
+
+
+def _long_samples() -> list:
+    """Prompts of about 100-300 tokens with no common prefix: every hit is a trajectory's own
+    earlier turns."""
+    from rl.data import Sample
+
+    words = "Alice Bob Carol Dave Emma Frank Grace Henry Iris Jack Kate Liam".split()
+    return [Sample(" ".join(words[(i * 5 + j) % len(words)] for j in range(n)) + f" {i}?")
+            for i, n in enumerate((60, 110, 170))]
+
+
+@pytest.mark.parametrize("arch,dtype", CACHE_CASES, ids=[f"{a}-{d}" for a, d in CACHE_CASES])
+def test_prefix_caching_between_turns_changes_no_bit(model_factory, megatron, arch, dtype):
+    from rl.env import ProbeEnv
+
+    model, samples = model_factory(arch, dtype), _long_samples()
+    warm = run_env_check(_args(model, dtype, "probe", len(samples), 40, prefix_caching=True),
+                         ProbeEnv, samples, rescore)
+    cold, cold_outputs, _ = sample_trajectories(_args(model, dtype, "probe", len(samples), 40, prefix_caching=False),
+                                                ProbeEnv, samples)
+    assert warm.report["passed"] and warm.report["turns_mean"] == TURNS
+    for w_out, c_out in zip(warm.engine_outputs, cold_outputs, strict=True):
+        for w, c in zip(w_out, c_out, strict=True):
+            assert w.prompt_ids == c.prompt_ids and w.token_ids == c.token_ids
+            assert torch.equal(w.rollout_logprobs, c.rollout_logprobs)
+            assert c.cached_tokens == 0
+    for turn in range(1, TURNS):  # turn 1 has nothing cached: no two prompts share a block
+        for w, prev in zip(warm.engine_outputs[turn], warm.engine_outputs[turn - 1], strict=True):
+            # Every full block the previous turn computed (its input and what it sampled, but
+            # the last sampled token), short of the last input token (vLLM always computes it).
+            computed = len(prev.prompt_ids) + len(prev.token_ids) - 1
+            assert w.cached_tokens == min(computed, len(w.prompt_ids) - 1) // BLOCK * BLOCK
+    hits = warm.report["prefix_hits_per_turn"]
+    assert hits[0] == 0 and hits[1] > 0 and hits[2] > 0
+    for w, c in zip(warm.trajectories, cold, strict=True):
+        assert w.ids() == c.ids() and w.mask == c.mask
+
+
+def test_kimi_turns_are_recomputed_cold(model_factory):
+    """kimi-mini's engine keeps prefix caching off: its KDA layers' recurrent state is not in
+    vLLM's paged KV cache, so a cached prefix could not restore it. Every turn is a cold
+    prefill (tests/integration/test_agentic.py checks its turns bitwise)."""
+    from rl.env import ProbeEnv
+
+    samples = _long_samples()
+    args = _args(model_factory("kimi-mini", "fp32"), "fp32", "probe", len(samples), 40)
+    trajectories, outputs, _ = sample_trajectories(args, ProbeEnv, samples)
+    assert max(len(t.ids()) for t in trajectories) > 2 * BLOCK
+    assert [c.cached_tokens for turn in outputs for c in turn] == [0] * sum(len(t.turns) for t in trajectories)
