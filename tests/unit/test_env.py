@@ -247,3 +247,18 @@ def test_the_worked_example_is_a_real_call_and_its_real_output(tokenizer, tool, 
     # The example shows what the tool really answers to that call.
     (parsed,) = parse_tool_calls(f"<tool_call>{call}</tool_call>")
     assert run_tool_call(parsed, get_tools([tool])) == (get_tools([tool])[tool].example[1], True)
+
+
+def test_the_ablations_tools_off_env_answers_calls_with_an_error(tokenizer):
+    """scripts/agentic_ablation.py's tools-off arm: the same prompt as ToolEnv, every call
+    parsed, counted and answered with an error; the final answer scored as with the tool."""
+    from scripts.agentic_ablation import ToolsOff
+
+    on = ToolEnv(tokenizer, reward_fn=lambda text, s: float(text == s.answer))
+    off = ToolsOff(tokenizer, reward_fn=lambda text, s: float(text == s.answer))
+    sample = Sample("What is 2 * 3?", "6")
+    assert off.reset(sample) == on.reset(sample) and off.turn_stop() == on.turn_stop()
+    obs, reward, done = off.step(_ids(tokenizer, CALL + CALL))
+    assert tokenizer.decode(obs).count("error: the calculator is not available in this run") == 2
+    assert (reward, done, off.tool_calls, off.tool_errors) == (0.0, False, 2, 2)
+    assert off.step(_ids(tokenizer, "6")) == ([], 1.0, True)
