@@ -72,6 +72,7 @@ class CheckArgs:
     env: str | None = None  # multi-turn trajectories of this environment (rl.env_check)
     max_turns: int = 3
     env_kwargs: dict = dataclasses.field(default_factory=dict)  # passed to the environment class
+    prefix_caching: bool | None = None  # the --env engine's prefix cache; None: the engine's default
 
 
 def load_adapter(path: Path) -> Adapter:

@@ -2,7 +2,8 @@
 
 An environment is one trajectory's counterpart: `reset(sample)` gives the prompt ids,
 `step(generated_ids)` takes the ids the model generated in one turn and gives back
-(observation ids, reward, done). The trajectory is kept as token ids from the first prompt to
+(observation ids, reward, done); `turn_stop()` may end the model's turns early (the `tools`
+environment: at `</tool_call>`). The trajectory is kept as token ids from the first prompt to
 the last token: what the model generated is appended exactly as vLLM returned it, and only the
 observation (the tool result inside the chat template's turn markers) is encoded. Nothing is
 ever decoded and re-encoded to build the next turn's input, so the trainer scores exactly the
@@ -29,6 +30,7 @@ import torch
 
 from rl.data import Sample
 from rl.tools import (
+    CLOSE,
     ToolCall,
     example_messages,
     get_tools,
@@ -36,6 +38,7 @@ from rl.tools import (
     run_tool_call,
     tool_prompt,
 )
+from rollout.engine import Stop
 
 ENV_MARKER = "\x00kimi-rl-model-turn\x00"  # stands for the model's turn in a rendered template
 
@@ -57,6 +60,21 @@ class Env(ABC):
     @abstractmethod
     def step(self, generated_ids: list[int]) -> tuple[list[int], float, bool]:
         """(observation ids to append, reward of this turn, done) after the model's turn."""
+
+    def turn_stop(self) -> Stop | None:
+        """Where the model's turn ends besides its end-of-sequence token and the turn budget
+        (rollout.engine.Stop), or None. The ids up to and including the stop are the turn."""
+        return None
+
+
+def tool_call_stop(tokenizer: Any) -> Stop:
+    """A turn ends at the close of its tool call: the token id of `</tool_call>` when the
+    tokenizer has it as one token (vLLM matches ids on the engine side), else the stop string
+    (matched on vLLM's detokenized text; the token completing it ends the turn)."""
+    ids = tokenizer.encode(CLOSE, add_special_tokens=False)
+    if len(ids) == 1 and tokenizer.convert_ids_to_tokens(ids[0]) == CLOSE:
+        return Stop(token_ids=(ids[0],))
+    return Stop(strings=(CLOSE,))
 
 
 def tool_turn_ids(tokenizer: Any, generated_ids: list[int], content: str, role: str = "tool") -> list[int]:
@@ -97,7 +115,8 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
 class ToolEnv(Env):
     """The built-in environment `tools`: the model may call tools (rl.tools, Hermes format);
     each turn with calls gets their results back as one tool message; the first turn without a
-    call is the final answer, scored by the run's reward function (reward 0 before it).
+    call is the final answer, scored by the run's reward function (reward 0 before it). A turn
+    ends at the close of its call (turn_stop).
 
     kwargs: tools (names, default ["calculator"]); system_prompt (default true: a system
     message lists the tools and the call format); example (default false: a worked exchange
@@ -127,6 +146,11 @@ class ToolEnv(Env):
                 raise ValueError(f"{key} must be true or false, got {kwargs[key]!r}")
         if kwargs.get("example") and not tools:
             raise ValueError("example needs at least one tool")
+
+    def turn_stop(self) -> Stop:
+        # The model's turn ends with its call: what it would write after the call is not
+        # what the tool answered, so it is not sampled (nor trained on).
+        return tool_call_stop(self.tokenizer)
 
     def reset(self, sample: Sample) -> list[int]:
         self.sample = sample
@@ -243,10 +267,11 @@ def _advance(traj: Trajectory, env: Env, out: dict[str, Any], last_turn: bool, b
 
 
 def run_trajectories(envs: list[Env], samples: list[Sample], budget: Budget,
-                     generate: Callable[[list[list[int]], int], list[dict[str, Any]]]) -> list[Trajectory]:
+                     generate: Callable[[list[list[int]], int, Stop | None], list[dict[str, Any]]]) -> list[Trajectory]:
     """Each environment's trajectory, turn by turn: every unfinished trajectory's ids go to
-    `generate(prompts, turn)` together (one call per turn), which returns per prompt a dict
-    with token_ids and rollout_logprobs."""
+    `generate(prompts, turn, stop)` together (one call per turn; `stop`: the first
+    environment's turn_stop, the run's environments being of one class), which returns per
+    prompt a dict with token_ids and rollout_logprobs."""
     trajectories = []
     for env, sample in zip(envs, samples, strict=True):
         try:
@@ -254,11 +279,12 @@ def run_trajectories(envs: list[Env], samples: list[Sample], budget: Budget,
         except Exception as e:  # reported like a failing reward function
             raise ValueError(f"env reset failed for sample {sample.prompt[:80]!r}: "
                              f"{type(e).__name__}: {e}") from e
+    stop = envs[0].turn_stop() if envs else None
     for turn in range(budget.max_turns):
         active = [i for i, t in enumerate(trajectories) if not t.done]
         if not active:
             break
-        outs = generate([trajectories[i].ids() for i in active], turn)
+        outs = generate([trajectories[i].ids() for i in active], turn, stop)
         for i, out in zip(active, outs, strict=True):
             _advance(trajectories[i], envs[i], out, turn == budget.max_turns - 1, budget)
     return trajectories

@@ -35,7 +35,7 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
     from parity.hf_config import register_hf_config
     from parity.model_spec import load_spec
     from rl.env import Budget, run_trajectories
-    from rollout.engine import RolloutEngine
+    from rollout.engine import RolloutEngine, Stop
 
     register_hf_config()  # kimi-mini's config.json names a model type transformers lacks
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
@@ -47,10 +47,11 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
     with RolloutEngine(str(args.model), dtype=args.dtype, parity=args.parity, seed=args.seed,
                        max_model_len=context, max_num_seqs=max(len(samples), 1),
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       tensor_parallel_size=args.rollout_tp) as engine:
+                       tensor_parallel_size=args.rollout_tp,
+                       prefix_caching=getattr(args, "prefix_caching", None)) as engine:
 
-        def generate(prompts: list[list[int]], turn: int) -> list[dict]:
-            done = engine.generate(prompts, max_tokens=args.max_tokens, sampling=args.sampling)
+        def generate(prompts: list[list[int]], turn: int, stop: Stop | None) -> list[dict]:
+            done = engine.generate(prompts, max_tokens=args.max_tokens, sampling=args.sampling, stop=stop)
             outputs.append(done)
             return [{"token_ids": c.token_ids, "rollout_logprobs": c.rollout_logprobs} for c in done]
 
@@ -81,6 +82,8 @@ def run_env_check(args: Any, env_cls: Any, samples: list, rescore: Callable[...,
         "observation_tokens": int(sum((m == 0).sum() for m in masks)),
         "tool_calls": int(env_metrics(envs, trajectories)["env/tool_calls"]),
         "tool_errors": int(env_metrics(envs, trajectories)["env/tool_errors"]),
+        # Prompt tokens each turn's prefill took from vLLM's prefix cache (earlier turns' blocks).
+        "prefix_hits_per_turn": [sum(c.cached_tokens for c in turn) for turn in outputs],
         **stats.to_dict(), "passed": stats.all_equal,
         "per_batch_size": {str(len(trajectories)): stats.to_dict()},
     }

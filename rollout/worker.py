@@ -16,7 +16,7 @@ import torch
 from parity.lora import AdapterLayout
 from parity.sampling import Sampling
 from parity.wire import Index, unpack_tensors
-from rollout.engine import RolloutEngine
+from rollout.engine import RolloutEngine, Stop
 
 
 def _set_threads() -> None:
@@ -46,13 +46,13 @@ class RolloutWorker:
 
     def generate(
         self, prompts: list[list[int]], max_tokens: int, sampling: Sampling, seed: int,
-        keys: list[int] | None = None,
+        keys: list[int] | None = None, stop: Stop | None = None,
     ) -> list[dict]:
         """Sample one completion per prompt; returns token ids and rollout log-probs. `seed`
         reseeds the engine (stock vLLM samples from it); `keys` are the parity sampler's
-        request keys (RolloutEngine.generate)."""
+        request keys, `stop` where a completion may end early (RolloutEngine.generate)."""
         self.engine.reseed(seed)
-        done = self.engine.generate(prompts, max_tokens=max_tokens, sampling=sampling, keys=keys)
+        done = self.engine.generate(prompts, max_tokens=max_tokens, sampling=sampling, keys=keys, stop=stop)
         return [
             {"prompt_ids": c.prompt_ids, "token_ids": c.token_ids, "rollout_logprobs": c.rollout_logprobs}
             for c in done

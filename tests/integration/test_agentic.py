@@ -2,8 +2,9 @@
 
 Exact across turns (tiny Llama, Qwen3 and kimi-mini, fp32 and bf16): trajectories of 3 model
 turns with a tool observation between turns (rl.env.ProbeEnv: the chat template's tool turn,
-as ids) are sampled turn by turn by one vLLM engine (prefix caching off: each turn's prefill
-recomputes the whole trajectory), whose every turn's input is the previous turn's ids plus the observation ids; then the
+as ids) are sampled turn by turn by one vLLM engine (these trajectories are shorter than one
+128-token cache block, so every turn's prefill is cold; warm turns are in test_agentic_turns.py),
+whose every turn's input is the previous turn's ids plus the observation ids; then the
 Megatron trainer scores each whole trajectory teacher-forced in one pass. Every model-generated
 token of every turn has a rollout log-prob torch.equal to the trainer's; the observation tokens
 are masked (asserted from the mask) and were never sampled. The trajectory's ids are exactly

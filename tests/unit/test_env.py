@@ -11,8 +11,17 @@ import torch
 
 from rl.config import resolve_env
 from rl.data import Sample
-from rl.env import Budget, Env, ToolEnv, env_metrics, run_trajectories, tool_turn_ids
+from rl.env import (
+    Budget,
+    Env,
+    ToolEnv,
+    env_metrics,
+    run_trajectories,
+    tool_call_stop,
+    tool_turn_ids,
+)
 from rl.models import TOKENIZER_VOCAB, build_tokenizer
+from rollout.engine import Stop
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "123456789 * 987654321"}}</tool_call>'
 BIG = 512
@@ -28,16 +37,19 @@ def _ids(tokenizer, text):
 
 
 def _replay(tokenizer, turns_text):
-    """generate(prompts, turn) that answers every prompt with turn `turn`'s fixed text, with
-    log-probs -(position + 1) / 100 (distinct, to check where each lands)."""
+    """generate(prompts, turn, stop) that answers every prompt with turn `turn`'s fixed text,
+    with log-probs -(position + 1) / 100 (distinct, to check where each lands); the stops it
+    was given are in generate.stops."""
     calls = []
 
-    def generate(prompts, turn):
+    def generate(prompts, turn, stop):
         calls.append([list(p) for p in prompts])
+        generate.stops.append(stop)
         ids = _ids(tokenizer, turns_text[turn])
         lp = -torch.arange(1, len(ids) + 1, dtype=torch.float32) / 100 - turn
         return [{"token_ids": list(ids), "rollout_logprobs": lp.clone()} for _ in prompts]
 
+    generate.stops = []
     return generate, calls
 
 
@@ -158,6 +170,25 @@ def test_probe_env_answers_every_turn(tokenizer):
     n = len(traj.turns[0][0])
     assert tokenizer.decode(traj.turns[0][1]) == f"<|im_end|>\n<|im_start|>tool\n{n ** 3}<|im_end|>\n<|im_start|>assistant\n"
     assert traj.reward == 0.0 and env.tool_calls == 3
+    assert generate.stops == [None] * 3  # no tool-call format: a turn runs to EOS or its budget
+
+
+def test_tool_turns_stop_at_the_close_of_the_call(tokenizer):
+    """Every turn's generate gets the ToolEnv's stop: `</tool_call>` as a stop string where the
+    tokenizer splits it (the tiny BPE), as its one token id where the tokenizer has it whole."""
+    env = ToolEnv(tokenizer, reward_fn=lambda text, s: 0.0, system_prompt=False)
+    generate, _ = _replay(tokenizer, [CALL, "7"])
+    budget = Budget(max_turns=2, max_tokens=64, max_trajectory_tokens=BIG, max_model_len=4096)
+    (traj,) = run_trajectories([env], [Sample("q", "1")], budget, generate)
+    assert generate.stops == [Stop(strings=("</tool_call>",))] * 2 and len(traj.turns) == 2
+    assert len(_ids(tokenizer, "</tool_call>")) > 1
+    # A turn cut at the stop (no end-of-turn token) is closed by the observation.
+    assert tokenizer.decode(traj.turns[0][1]).startswith("<|im_end|>\n<|im_start|>tool\n")
+    whole = build_tokenizer(TOKENIZER_VOCAB["tiny"], 4096)
+    whole.add_tokens(["<tool_call>", "</tool_call>"])
+    (close_id,) = _ids(whole, "</tool_call>")
+    assert tool_call_stop(whole) == Stop(token_ids=(close_id,))
+    assert ToolEnv(whole).turn_stop() == Stop(token_ids=(close_id,))
 
 
 def test_the_docs_example_environment_runs(tokenizer, tmp_path, monkeypatch):
@@ -216,3 +247,18 @@ def test_the_worked_example_is_a_real_call_and_its_real_output(tokenizer, tool, 
     # The example shows what the tool really answers to that call.
     (parsed,) = parse_tool_calls(f"<tool_call>{call}</tool_call>")
     assert run_tool_call(parsed, get_tools([tool])) == (get_tools([tool])[tool].example[1], True)
+
+
+def test_the_ablations_tools_off_env_answers_calls_with_an_error(tokenizer):
+    """scripts/agentic_ablation.py's tools-off arm: the same prompt as ToolEnv, every call
+    parsed, counted and answered with an error; the final answer scored as with the tool."""
+    from scripts.agentic_ablation import ToolsOff
+
+    on = ToolEnv(tokenizer, reward_fn=lambda text, s: float(text == s.answer))
+    off = ToolsOff(tokenizer, reward_fn=lambda text, s: float(text == s.answer))
+    sample = Sample("What is 2 * 3?", "6")
+    assert off.reset(sample) == on.reset(sample) and off.turn_stop() == on.turn_stop()
+    obs, reward, done = off.step(_ids(tokenizer, CALL + CALL))
+    assert tokenizer.decode(obs).count("error: the calculator is not available in this run") == 2
+    assert (reward, done, off.tool_calls, off.tool_errors) == (0.0, False, 2, 2)
+    assert off.step(_ids(tokenizer, "6")) == ([], 1.0, True)
