@@ -194,26 +194,3 @@ def test_kimi_turns_are_recomputed_cold(model_factory):
     trajectories, outputs, _ = sample_trajectories(args, ProbeEnv, samples)
     assert max(len(t.ids()) for t in trajectories) > 2 * BLOCK
     assert [c.cached_tokens for turn in outputs for c in turn] == [0] * sum(len(t.turns) for t in trajectories)
-
-
-def test_the_ablation_script_records_both_arms(tmp_path):
-    """scripts/agentic_ablation.py on the tiny model: both arms trained, their per-step metrics
-    in the JSON, the plot written."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(
-        [sys.executable, str(root / "scripts" / "agentic_ablation.py"), "--model", "tiny", "--steps", "2",
-         "--prompts-per-step", "1", "--samples-per-prompt", "2", "--out", str(tmp_path / "out"),
-         "--runs", str(tmp_path / "runs")],
-        env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads((tmp_path / "out" / "ablation_tiny.json").read_text())
-    assert set(result["arms"]) == {"tools", "no_tools"}
-    for records in result["arms"].values():
-        assert [r["step"] for r in records] == [1, 2]
-        assert all(r["parity/bitwise_equal_fraction"] == 1.0 and "env/tool_calls" in r for r in records)
-    assert (tmp_path / "out" / "ablation_tiny.png").stat().st_size > 0
