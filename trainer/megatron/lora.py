@@ -92,7 +92,8 @@ def apply_lora(
     for linear, adapter in attach:
         if getattr(linear, "lora", None) is None:
             linear.lora = torch.nn.ModuleDict()
-        linear.lora[name] = adapter
+        # Drawn on the host (the same init on any device), then moved to the layer's device.
+        linear.lora[name] = adapter.to(next(linear.parameters()).device)
     torch.random.set_rng_state(gen_state)
 
 
