@@ -69,7 +69,10 @@ def cluster(model_factory, tmp_path_factory) -> Iterator[Cluster]:
     with contextlib.ExitStack() as stack:
         try:
             # The model and the test's directory are "on a shared file system"; nothing else is.
-            a, b = stack.enter_context(two_hosts([Path(model).parent, tmp], env))
+            # So are this checkout and its interpreter when they live under /tmp (a fresh clone).
+            code = [p for p in (ROOT, Path(sys.prefix)) if p.resolve().is_relative_to("/tmp")]
+            code = [p for p in code if not any(p != q and p.is_relative_to(q) for q in code)]
+            a, b = stack.enter_context(two_hosts([Path(model).parent, tmp, *code], env))
         except Unavailable as e:
             pytest.skip(f"two hosts need network and mount namespaces: {e}")
         token = secrets.token_hex(32)
