@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "docs/parity_check.md", "docs/tensor_parallel.md", "docs/kimi.md", "docs/train.md",
         "docs/hooks.md", "docs/agentic.md", "docs/deepspeed.md", "docs/development.md", "docs/design.md", "docs/benchmarks.md",
         "docs/fuzz.md", "docs/faults_and_security.md", "docs/gpu_summary.md", "docs/README.md",
-        "docs/trainer_scale.md"]
+        "docs/trainer_scale.md", "docs/cluster.md"]
 TEXT = "\n".join((ROOT / page).read_text() for page in DOCS)
 VENV = Path(sys.executable).parents[1]
 
@@ -74,6 +74,13 @@ SHRINK: dict[str, str] = {
 }
 NOT_RUN = {
     "bash scripts/setup.sh && .venv/bin/python -m pytest -q": "the test suite itself",
+    # A cluster of several machines: test_multinode.py runs these on two namespace hosts.
+    "RAY_AUTH_MODE=token ray start --head --node-ip-address=10.0.0.1 --port=6379"
+    " --resources='{\"trainer_node\": 1}'": "needs the head node's address",
+    "RAY_AUTH_MODE=token ray start --address=10.0.0.1:6379 --node-ip-address=10.0.0.2"
+    " --resources='{\"rollout_node\": 1}'": "needs a second machine",
+    "RAY_AUTH_MODE=token kimi-rl train configs/quickstart.yaml ray.address=10.0.0.1:6379"
+    " ray.placement.rollout=rollout_node ray.placement.trainer=trainer_node": "needs that cluster",
 }
 
 
