@@ -6,12 +6,17 @@ per-request context (the trainer: the whole sequence; vLLM: its caches and recur
 Modules passed in as `m` follow the HF checkpoint names (a linear is any callable submodule;
 engines add their LoRA delta inside it through `adapted_linear`):
 
-- KDA: q_proj k_proj v_proj f_a_proj f_b_proj b_proj g_proj o_proj, conv1d.weight [3HD, K],
-  dt_bias [HD], A_log [H], o_norm.weight [D].
-- MLA: q_proj kv_a_proj_with_mqa kv_b_proj o_proj, kv_a_layernorm.weight [C],
-  indexer.wq indexer.wk indexer.weights_proj.
-- MoE: gate.weight [E, h] (router), experts[e].gate_up_proj / down_proj,
-  shared_experts.gate_up_proj / down_proj ([gate; up] fused, as Megatron holds them).
+- KDA: q_proj k_proj v_proj f_a_proj f_b_proj b_proj o_proj, the output gate g_proj
+  (kimi-mini) or g_a_proj -> g_b_proj (kimi-linear), conv1d.weight [3HD, K] (kimi-linear's
+  q/k/v_conv1d stacked), dt_bias [HD], A_log (H values, any shape), o_norm.weight [D].
+- MLA: q_proj kv_a_proj_with_mqa kv_b_proj o_proj, kv_a_layernorm.weight [C], and with an
+  indexer (kimi-mini) indexer.wq indexer.wk indexer.weights_proj.
+- MoE: gate.weight [E, h] (router; kimi-linear: gate.e_score_correction_bias [E] too),
+  experts[e].gate_up_proj / down_proj, shared_experts.gate_up_proj / down_proj ([gate; up]
+  fused, as Megatron holds them); a dense layer's MLP: gate_up_proj / down_proj.
+
+Both formats compute the function of their reference: kimi-linear is transformers'
+KimiLinearForCausalLM (tests/integration/test_kimi_linear.py compares logits).
 
 Why each piece is batch invariant and identical between decode and training:
 
@@ -153,15 +158,16 @@ def kda_mixer(
 
     # Channel-wise decay (log space) and the per-head delta-rule step size.
     f = m.f_b_proj(m.f_a_proj(h)).float() + m.dt_bias.float()
-    a = exp(m.A_log.float())  # [H]
+    a = exp(m.A_log.float().reshape(nh))
     g = -(a.view(1, nh, 1) * softplus(f).view(n, nh, d))
     alpha = exp(g)  # [N, H, dk]
     beta = sigmoid(m.b_proj(h).float())  # [N, H]
     o, state = kda_recurrence(q, k, v, alpha, beta, state, lengths)
 
-    # Per-head RMSNorm, sigmoid output gate, output projection.
+    # Per-head RMSNorm, sigmoid output gate (kimi-linear: low rank), output projection.
+    gate = m.g_b_proj(m.g_a_proj(h)) if spec.is_linear else m.g_proj(h)
     o = kernels.rms_norm(o, m.o_norm.weight, spec.rms_norm_eps)
-    o = o * sigmoid(m.g_proj(h).float()).view(n, nh, d)
+    o = o * sigmoid(gate.float()).view(n, nh, d)
     return m.o_proj(o.reshape(n, nh * d).to(h.dtype)), new_conv_state, state
 
 
@@ -170,18 +176,24 @@ def kda_mixer(
 
 def mla_entries(
     m, spec: KimiSpec, h: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per-token MLA inputs: (q [N, Hm, dn+dr] with RoPE on its last dr, cache entry
-    [N, kv_lora_rank + dr + index_head_dim] = [RMS-normed latent; RoPE key; index key] in h's
-    dtype, index queries [N, hI, dI] fp32, index head weights [N, hI] fp32)."""
+    [N, mla_cache_width] = [RMS-normed latent; RoPE key; index key] in h's dtype, index
+    queries [N, hI, dI] fp32, index head weights [N, hI] fp32). With `mla_use_nope` the last
+    dr of q and the shared key stay unrotated; without an indexer the entry ends at the key
+    and the index outputs are None."""
     n = h.shape[0]
     hm, dn, dr, dc = spec.num_attention_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
-    table = kernels.rope_table(dr, spec.rope_theta, spec.max_position_embeddings)
     q = m.q_proj(h).view(n, hm, dn + dr)
-    q = torch.cat([q[..., :dn], kernels.apply_rope(q[..., dn:], positions, table)], dim=-1)
     kv = m.kv_a_proj_with_mqa(h)
-    latent = kernels.rms_norm(kv[:, :dc], m.kv_a_layernorm.weight, spec.rms_norm_eps)
-    k_pe = kernels.apply_rope(kv[:, dc:].reshape(n, 1, dr), positions, table).view(n, dr)
+    latent = kernels.rms_norm(kv[:, :dc], m.kv_a_layernorm.weight, spec.kv_layernorm_eps)
+    k_pe = kv[:, dc:]
+    if not spec.mla_use_nope:
+        table = kernels.rope_table(dr, spec.rope_theta, spec.max_position_embeddings)
+        q = torch.cat([q[..., :dn], kernels.apply_rope(q[..., dn:], positions, table)], dim=-1)
+        k_pe = kernels.apply_rope(k_pe.reshape(n, 1, dr), positions, table).view(n, dr)
+    if not spec.has_indexer:
+        return q, torch.cat([latent.to(h.dtype), k_pe], dim=-1), None, None
     entry = torch.cat([latent.to(h.dtype), k_pe, m.indexer.wk(h)], dim=-1)
     index_q = m.indexer.wq(h).view(n, spec.index_n_heads, spec.index_head_dim).float()
     index_w = m.indexer.weights_proj(h).float()
@@ -245,6 +257,30 @@ def mla_attend(
     return m.o_proj(out.reshape(n, hm * dv))
 
 
+def mla_attend_full(
+    m, spec: KimiSpec, q: torch.Tensor, ctx: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+) -> torch.Tensor:
+    """MLA without an indexer (kimi-linear): each query over every key of its sequence up to
+    its position. ctx [R, L, width]: each sequence's cache entries at positions 0..L-1 (rows
+    past a sequence's end are never attended). Returns the o_proj output [N, hidden].
+
+    Each sequence's latents are expanded once with kv_b_proj (row-wise invariant, so a key's
+    bits do not depend on how many keys are expanded with it) and attended with
+    `kernels.attention`, the fixed-block online softmax both engines share."""
+    n = q.shape[0]
+    r, length = ctx.shape[:2]
+    hm, dn, dr, dc, dv = (
+        spec.num_attention_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim,
+        spec.kv_lora_rank, spec.v_head_dim,
+    )
+    kv = m.kv_b_proj(ctx[..., :dc]).view(r, length, hm, dn + dv)
+    k_pe = ctx[..., dc : dc + dr].unsqueeze(2).expand(-1, -1, hm, -1)
+    k = torch.cat([kv[..., :dn], k_pe], dim=-1)
+    v = F.pad(kv[..., dn:], (0, dn + dr - dv))
+    out = kernels.attention(q, k, v, q_seq, q_pos, kernels.attention_scale(dn + dr))[..., :dv]
+    return m.o_proj(out.reshape(n, hm * dv))
+
+
 # --- MoE ------------------------------------------------------------------------------------------
 
 
@@ -252,24 +288,55 @@ def _ffn(expert, x: torch.Tensor) -> torch.Tensor:
     return expert.down_proj(kernels.silu_and_mul(expert.gate_up_proj(x)))
 
 
-def route(spec: KimiSpec, router_weight: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(experts [N, k] int64 in score order, normalised weights [N, k] fp32) for tokens h."""
+def _top(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim, best first; ties: lower index first."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def route(
+    spec: KimiSpec, router_weight: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [N, k] int64 in choice order, weights [N, k] fp32) for tokens h.
+
+    DeepSeek-V3 / Kimi Linear routing: sigmoid scores of an fp32 router; `bias`
+    (e_score_correction_bias) is added for the choice only; with expert groups, only the
+    topk_group groups with the best sums of their two best choice scores compete; the chosen
+    experts' scores (without the bias) are renormalised (+1e-20, as the reference) and scaled
+    by routed_scaling_factor. kimi-mini (no bias, one group, factor 1) reduces to plain top-k."""
     logits = kernels.linear(h.float(), router_weight.float())  # [N, E], fp32 router
     scores = sigmoid(logits)
-    experts = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : spec.num_experts_per_tok]
+    choice = scores if bias is None else scores + bias.float()
+    groups = spec.num_expert_group
+    if groups > 1:
+        grouped = choice.view(-1, groups, spec.n_routed_experts // groups)
+        best2 = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2]
+        keep = _top(best2[..., 0] + best2[..., 1], spec.topk_group)  # [N, topk_group]
+        mask = torch.zeros(choice.shape[0], groups, dtype=torch.bool).scatter(1, keep, True)
+        choice = grouped.masked_fill(~mask.unsqueeze(-1), -math.inf).view_as(choice)
+    experts = _top(choice, spec.num_experts_per_tok)
     weights = scores.gather(1, experts)
-    return experts, weights / row_sum(weights).unsqueeze(-1)
+    if spec.moe_renormalize:
+        weights = weights / (row_sum(weights) + 1e-20).unsqueeze(-1)
+    if spec.routed_scaling_factor != 1.0:
+        weights = weights * spec.routed_scaling_factor
+    return experts, weights
+
+
+def dense_mlp(m, h: torch.Tensor) -> torch.Tensor:
+    """A dense layer's SwiGLU MLP (kimi-linear's first_k_dense_replace layers)."""
+    return _ffn(m, h)
 
 
 def moe(m, spec: KimiSpec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MoE feed-forward on tokens h [N, hidden]: (output [N, hidden], chosen experts [N, k])."""
-    experts, weights = route(spec, m.gate.weight, h)
+    bias = m.gate.e_score_correction_bias if spec.is_linear else None
+    experts, weights = route(spec, m.gate.weight, h, bias)
     routed = h.new_zeros(h.shape[0], spec.num_experts_per_tok, h.shape[-1])
     for e in range(spec.n_routed_experts):
         token, slot = (experts == e).nonzero(as_tuple=True)
         if token.numel():
             routed = routed.index_put((token, slot), _ffn(m.experts[e], h[token]))
-    acc = _ffn(m.shared_experts, h).float()
+    acc = _ffn(m.shared_experts, h).float() if spec.n_shared_experts else h.new_zeros(h.shape, dtype=torch.float32)
     for slot in range(spec.num_experts_per_tok):
         acc = acc + routed[:, slot].float() * weights[:, slot : slot + 1]
     return acc.to(h.dtype), experts
@@ -279,13 +346,14 @@ def moe(m, spec: KimiSpec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def hf_weight_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
-    """Every weight of a kimi-mini checkpoint by HF name, with its shape."""
+    """Every weight of a kimi-mini or kimi-linear checkpoint by HF name, with its shape."""
+    if spec.is_linear:
+        return _kimi_linear_shapes(spec)
     h = spec.hidden_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = (spec.vocab_size, h)
     nh, d = spec.kda_num_heads, spec.kda_head_dim
-    hm = spec.num_attention_heads
     for i, kind in enumerate(spec.layer_types):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
@@ -303,11 +371,7 @@ def hf_weight_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
             out[a + "o_norm.weight"] = (d,)
             out[a + "o_proj.weight"] = (h, nh * d)
         else:
-            out[a + "q_proj.weight"] = (hm * spec.qk_head_dim, h)
-            out[a + "kv_a_proj_with_mqa.weight"] = (spec.kv_lora_rank + spec.qk_rope_head_dim, h)
-            out[a + "kv_a_layernorm.weight"] = (spec.kv_lora_rank,)
-            out[a + "kv_b_proj.weight"] = (hm * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank)
-            out[a + "o_proj.weight"] = (h, hm * spec.v_head_dim)
+            out.update(_mla_shapes(spec, a))
             out[a + "indexer.wq.weight"] = (spec.index_n_heads * spec.index_head_dim, h)
             out[a + "indexer.wk.weight"] = (spec.index_head_dim, h)
             out[a + "indexer.weights_proj.weight"] = (spec.index_n_heads, h)
@@ -315,22 +379,86 @@ def hf_weight_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
         ffns = [(f"mlp.experts.{e}.", spec.moe_intermediate_size) for e in range(spec.n_routed_experts)]
         ffns.append(("mlp.shared_experts.", spec.shared_intermediate_size))
         for prefix, inter in ffns:
-            out[p + prefix + "gate_proj.weight"] = (inter, h)
-            out[p + prefix + "up_proj.weight"] = (inter, h)
-            out[p + prefix + "down_proj.weight"] = (h, inter)
+            out.update(_swiglu_shapes(p + prefix, h, inter))
     return out
 
 
-# LoRA targets (peft `target_modules` names) and the fused linears both engines hold.
+def _mla_shapes(spec: KimiSpec, a: str) -> dict[str, tuple[int, ...]]:
+    h, hm = spec.hidden_size, spec.num_attention_heads
+    return {
+        a + "q_proj.weight": (hm * spec.qk_head_dim, h),
+        a + "kv_a_proj_with_mqa.weight": (spec.kv_lora_rank + spec.qk_rope_head_dim, h),
+        a + "kv_a_layernorm.weight": (spec.kv_lora_rank,),
+        a + "kv_b_proj.weight": (hm * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank),
+        a + "o_proj.weight": (h, hm * spec.v_head_dim),
+    }
+
+
+def _swiglu_shapes(prefix: str, h: int, inter: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+                   ) -> dict[str, tuple[int, ...]]:
+    gate, up, down = names
+    return {prefix + gate + ".weight": (inter, h), prefix + up + ".weight": (inter, h), prefix + down + ".weight": (h, inter)}
+
+
+def _kimi_linear_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
+    """The published Kimi Linear tensor names (what moonshotai/Kimi-Linear-48B-A3B-* store and
+    transformers' conversion mapping for kimi_linear reads): KDA convs as three [HD, 1, K]
+    depthwise weights, A_log [1, 1, H, 1], MoE under `block_sparse_moe` with experts w1 (gate),
+    w3 (up), w2 (down), dense `mlp` for the first first_k_dense_replace layers."""
+    h = spec.hidden_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = (spec.vocab_size, h)
+    nh, d = spec.kda_num_heads, spec.kda_head_dim
+    for i, kind in enumerate(spec.layer_types):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        a = p + "self_attn."
+        if kind == "kda":
+            for name in ("q_proj", "k_proj", "v_proj"):
+                out[a + name + ".weight"] = (nh * d, h)
+            for name in KIMI_LINEAR_CONVS:
+                out[a + name + ".weight"] = (nh * d, 1, spec.kda_conv_size)
+            out[a + "A_log"] = (1, 1, nh, 1)
+            out[a + "dt_bias"] = (nh * d,)
+            out[a + "f_a_proj.weight"] = (d, h)
+            out[a + "f_b_proj.weight"] = (nh * d, d)
+            out[a + "b_proj.weight"] = (nh, h)
+            out[a + "g_a_proj.weight"] = (d, h)
+            out[a + "g_b_proj.weight"] = (nh * d, d)
+            out[a + "o_norm.weight"] = (d,)
+            out[a + "o_proj.weight"] = (h, nh * d)
+        else:
+            out.update(_mla_shapes(spec, a))
+        if not spec.is_moe_layer(i):
+            out.update(_swiglu_shapes(p + "mlp.", h, spec.intermediate_size))
+            continue
+        b = p + "block_sparse_moe."
+        out[b + "gate.weight"] = (spec.n_routed_experts, h)
+        out[b + "gate.e_score_correction_bias"] = (spec.n_routed_experts,)
+        for e in range(spec.n_routed_experts):
+            out.update(_swiglu_shapes(f"{b}experts.{e}.", h, spec.moe_intermediate_size, ("w1", "w3", "w2")))
+        if spec.n_shared_experts:
+            out.update(_swiglu_shapes(b + "shared_experts.", h, spec.shared_intermediate_size))
+    return out
+
+
+KIMI_LINEAR_CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
+# LoRA targets (peft `target_modules` names: the checkpoint's module names) and the fused
+# linears both engines hold. Routed experts: gate_proj / up_proj / down_proj in kimi-mini,
+# w1 / w3 / w2 in kimi-linear (its shared experts and dense MLPs keep the *_proj names).
 LORA_TARGETS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-    "gate_proj", "up_proj", "down_proj",
+    "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
 )
+_GATE_UP = {"gate_proj": 0, "up_proj": 1, "w1": 0, "w3": 1}
 
 
 def lora_linears(spec: KimiSpec) -> dict[str, tuple[int, tuple[tuple[str, int], ...]]]:
-    """Every linear LoRA can adapt, by HF module path (fused ones named `...gate_up_proj`):
-    (in_features, parts), parts = ((HF module path, out_features), ...) in row order."""
+    """Every linear LoRA can adapt, by HF module path (fused [gate; up] ones named
+    `...gate_up_proj`): (in_features, parts), parts = ((HF module path, out_features), ...) in
+    row order."""
     shapes = hf_weight_shapes(spec)
     out: dict[str, tuple[int, tuple[tuple[str, int], ...]]] = {}
     for name, shape in shapes.items():
@@ -340,7 +468,7 @@ def lora_linears(spec: KimiSpec) -> dict[str, tuple[int, tuple[tuple[str, int], 
         target = path.rsplit(".", 1)[-1]
         if target not in LORA_TARGETS or ".indexer." in path:
             continue
-        if target in ("gate_proj", "up_proj"):
+        if target in _GATE_UP:
             fused = path[: -len(target)] + "gate_up_proj"
             fan_in, parts = out.get(fused, (shape[1], ()))
             out[fused] = (fan_in, (*parts, (path, shape[0])))

@@ -9,10 +9,16 @@ from pathlib import Path
 # The one architecture registry: the name users type (`--arch`) -> the HF architecture that
 # config.json names. Everything else (the spec class, vLLM's parity model, the trainer's GPT
 # build) is keyed by these.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "kimi-mini": "KimiMiniForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "kimi-mini": "KimiMiniForCausalLM",
+    "kimi-linear": "KimiLinearForCausalLM",
+}
 KIMI_ARCHITECTURE = ARCHITECTURES["kimi-mini"]
+KIMI_LINEAR_ARCHITECTURE = ARCHITECTURES["kimi-linear"]
+# The hybrid architectures KimiSpec describes (HF name -> KimiSpec.hf_format).
+KIMI_FORMATS = {KIMI_ARCHITECTURE: "kimi_mini", KIMI_LINEAR_ARCHITECTURE: "kimi_linear"}
 # The dense architectures ModelSpec describes, HF name -> ModelSpec.arch.
-SUPPORTED_ARCHITECTURES = {hf: name for name, hf in ARCHITECTURES.items() if hf != KIMI_ARCHITECTURE}
+SUPPORTED_ARCHITECTURES = {hf: name for name, hf in ARCHITECTURES.items() if hf not in KIMI_FORMATS}
 
 
 def parity_architecture(hf_architecture: str) -> str:
@@ -81,9 +87,18 @@ LAYER_TYPES = ("kda", "mla")
 
 @dataclass(frozen=True)
 class KimiSpec:
-    """kimi-mini: a hybrid of KDA (gated delta-rule linear attention) and MLA layers whose keys a
-    sparse indexer pre-selects, every layer with a MoE feed-forward (routed + shared experts).
-    Field names follow the HF config.json keys (DeepSeek / Kimi-Linear spellings)."""
+    """A hybrid of KDA (gated delta-rule linear attention) and MLA layers, MoE feed-forwards
+    (routed + shared experts). Two checkpoint formats:
+
+    - kimi-mini (our own, config keys below): MLA keys pre-selected by a sparse indexer, RoPE
+      on the shared key, a full-rank KDA output gate, every layer MoE, plain sigmoid top-k.
+    - kimi-linear (published Kimi Linear, `KimiLinearForCausalLM`): MLA without RoPE
+      (`mla_use_nope`) over every earlier key (no indexer: index_topk 0), a low-rank KDA output
+      gate (g_a_proj / g_b_proj), the first `first_k_dense_replace` layers dense, and DeepSeek-V3
+      routing (e_score_correction_bias for selection only, grouped top-k, routed_scaling_factor).
+
+    The defaults of the later fields are kimi-mini's behaviour, so old kimi-mini configs load
+    unchanged."""
 
     vocab_size: int
     hidden_size: int
@@ -111,8 +126,33 @@ class KimiSpec:
     num_experts_per_tok: int
     moe_intermediate_size: int
     n_shared_experts: int
+    hf_format: str = "kimi_mini"  # "kimi_mini" | "kimi_linear": the checkpoint's tensor names
+    mla_use_nope: bool = False  # True: no RoPE anywhere in MLA (the rope dims attend as they are)
+    kv_norm_eps: float = 0.0  # kv_a_layernorm's eps (0: rms_norm_eps)
+    first_k_dense_replace: int = 0  # the first k layers have a dense SwiGLU MLP, not a MoE
+    intermediate_size: int = 0  # the dense MLP's width
+    routed_scaling_factor: float = 1.0
+    moe_renormalize: bool = True
+    num_expert_group: int = 1  # grouped top-k: keep the topk_group best groups (top-2 sums)
+    topk_group: int = 1
 
     arch = "kimi_mini"
+
+    @property
+    def is_linear(self) -> bool:
+        """Published Kimi Linear names (and its e_score_correction_bias / low-rank output gate)."""
+        return self.hf_format == "kimi_linear"
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_topk > 0
+
+    @property
+    def kv_layernorm_eps(self) -> float:
+        return self.kv_norm_eps or self.rms_norm_eps
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace
 
     @property
     def num_layers(self) -> int:
@@ -138,6 +178,8 @@ class KimiSpec:
     @classmethod
     def from_hf_config(cls, config: dict) -> KimiSpec:
         arch_name = (config.get("architectures") or [""])[0]
+        if arch_name == KIMI_LINEAR_ARCHITECTURE:
+            return cls._from_kimi_linear(config)
         if arch_name != KIMI_ARCHITECTURE:
             raise ValueError(f"not a kimi-mini config: architecture {arch_name!r}")
         layer_types = tuple(config["layer_types"])
@@ -146,26 +188,99 @@ class KimiSpec:
             raise ValueError(
                 f"layer_types must list {config['num_hidden_layers']} of {LAYER_TYPES}, got {layer_types}"
             )
-        fields = {f: config[f] for f in cls.__dataclass_fields__ if f not in ("layer_types",)}
-        spec = cls(layer_types=layer_types, **fields)
-        if not 0 < spec.num_experts_per_tok <= spec.n_routed_experts:
+        fields = {f: config[f] for f in cls.__dataclass_fields__ if f not in ("layer_types",) and f not in _LATER}
+        return cls(layer_types=layer_types, **fields).validated()
+
+    @classmethod
+    def _from_kimi_linear(cls, config: dict) -> KimiSpec:
+        """The published Kimi Linear config.json (transformers' KimiLinearConfig keys)."""
+        lac = config.get("linear_attn_config") or {}
+        n = config["num_hidden_layers"]
+        kda = [i - 1 for i in lac.get("kda_layers", [])]
+        full = [i - 1 for i in lac.get("full_attn_layers", [])]
+        if sorted(kda + full) != list(range(n)):
+            raise ValueError(
+                f"linear_attn_config: kda_layers + full_attn_layers must number the {n} layers 1..{n} once each"
+            )
+        refused = {
+            "q_lora_rank": (config.get("q_lora_rank"), None),
+            "moe_layer_freq": (config.get("moe_layer_freq", 1), 1),
+            "moe_router_activation_func": (config.get("moe_router_activation_func", "sigmoid"), "sigmoid"),
+            "num_nextn_predict_layers": (config.get("num_nextn_predict_layers", 0), 0),
+            "mla_use_output_gate": (config.get("mla_use_output_gate", False), False),
+        }
+        for key, (value, wanted) in refused.items():
+            if value != wanted:
+                raise ValueError(f"{key}: {value!r} is not supported (only {wanted!r})")
+        if config.get("num_key_value_heads", config["num_attention_heads"]) != config["num_attention_heads"]:
+            raise ValueError("num_key_value_heads must equal num_attention_heads (MLA expands every head)")
+        rope = config.get("rope_parameters") or {}
+        spec = cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            layer_types=tuple("kda" if i in kda else "mla" for i in range(n)),
+            rms_norm_eps=float(config["rms_norm_eps"]),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            max_position_embeddings=config.get("model_max_length") or config["max_position_embeddings"],
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            kda_num_heads=lac["num_heads"],
+            kda_head_dim=lac["head_dim"],
+            kda_conv_size=lac["short_conv_kernel_size"],
+            num_attention_heads=config["num_attention_heads"],
+            kv_lora_rank=config["kv_lora_rank"],
+            qk_nope_head_dim=config["qk_nope_head_dim"],
+            qk_rope_head_dim=config["qk_rope_head_dim"],
+            v_head_dim=config["v_head_dim"],
+            index_n_heads=0, index_head_dim=0, index_topk=0,
+            n_routed_experts=config["num_experts"],
+            num_experts_per_tok=config["num_experts_per_token"],
+            moe_intermediate_size=config["moe_intermediate_size"],
+            n_shared_experts=config.get("num_shared_experts", 0),
+            hf_format="kimi_linear",
+            mla_use_nope=bool(config.get("mla_use_nope", False)),
+            # transformers' KimiLinearAttention builds kv_a_layernorm with RMSNorm's default eps
+            kv_norm_eps=KV_A_LAYERNORM_EPS,
+            first_k_dense_replace=config.get("first_k_dense_replace", 0),
+            intermediate_size=config.get("intermediate_size", 0),
+            routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+            moe_renormalize=bool(config.get("moe_renormalize", True)),
+            num_expert_group=config.get("num_expert_group", 1),
+            topk_group=config.get("topk_group", 1),
+        )
+        if spec.first_k_dense_replace and spec.intermediate_size < 1:
+            raise ValueError("intermediate_size must be >= 1 when first_k_dense_replace > 0")
+        if spec.n_routed_experts % spec.num_expert_group or not 0 < spec.topk_group <= spec.num_expert_group:
+            raise ValueError("num_experts must split into num_expert_group groups, topk_group in 1..groups")
+        return spec.validated()
+
+    def validated(self) -> KimiSpec:
+        """self, or ValueError naming the field that cannot hold."""
+        if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError("num_experts_per_tok must be in 1..n_routed_experts")
-        if spec.index_topk < 1:
+        if self.index_topk < (1 if self.hf_format == "kimi_mini" else 0):
             raise ValueError("index_topk must be >= 1")
-        if spec.qk_rope_head_dim % 2 or spec.v_head_dim > spec.qk_head_dim:
+        if self.qk_rope_head_dim % 2 or self.v_head_dim > self.qk_head_dim:
             raise ValueError("qk_rope_head_dim must be even and v_head_dim <= qk head dim")
-        if spec.mla_cache_width % 2:  # the rollout splits an entry over a slot's key/value halves
+        if self.mla_cache_width % 2:  # the rollout splits an entry over a slot's key/value halves
             raise ValueError("kv_lora_rank + qk_rope_head_dim + index_head_dim must be even")
-        return spec
+        return self
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> KimiSpec:
         return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
+# The fields kimi-mini's config.json does not carry (their defaults are kimi-mini's behaviour).
+_LATER = (
+    "hf_format", "mla_use_nope", "kv_norm_eps", "first_k_dense_replace", "intermediate_size",
+    "routed_scaling_factor", "moe_renormalize", "num_expert_group", "topk_group",
+)
+KV_A_LAYERNORM_EPS = 1e-6
+
+
 def load_spec(model_dir: str | Path) -> ModelSpec | KimiSpec:
-    """The spec of a model directory, dense (Llama / Qwen3) or kimi-mini."""
+    """The spec of a model directory, dense (Llama / Qwen3) or a KDA/MLA hybrid (kimi-mini, kimi-linear)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    if (config.get("architectures") or [""])[0] == KIMI_ARCHITECTURE:
+    if (config.get("architectures") or [""])[0] in KIMI_FORMATS:
         return KimiSpec.from_hf_config(config)
     return ModelSpec.from_hf_config(config)

@@ -27,7 +27,7 @@ from parity.lora import FUSED_PARTS, part_shapes
 from parity.model_spec import KimiSpec, ModelSpec
 
 Side = Literal["megatron", "rollout"]
-Pack = Literal["qkv", "gate_up"] | None
+Pack = Literal["qkv", "gate_up", "conv"] | None
 Shard = Literal["rows", "vocab", "cols", "gate_up"] | None
 
 
@@ -134,9 +134,65 @@ def _kimi(spec: KimiSpec) -> list[Weight]:
     return out
 
 
+# kimi-linear (published Kimi Linear names): the KDA gate is low rank, the three depthwise convs
+# are held stacked as one conv1d [3HD, K] ("conv" pack), the MoE lives under block_sparse_moe
+# (router + e_score_correction_bias; experts w1/w3 fused as gate_up_proj, w2 held as down_proj)
+# and the first first_k_dense_replace layers have a dense mlp. The rollout model holds these
+# names with the fused ones renamed; Megatron as for kimi-mini.
+_KIMI_LINEAR_KDA = {
+    **{f"self_attn.{n}.weight": f"self_attention.linear_{n}.weight"
+       for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj")},
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "self_attn.dt_bias": "self_attention.dt_bias",
+    "self_attn.A_log": "self_attention.A_log",
+    "self_attn.o_norm.weight": "self_attention.o_norm.weight",
+}
+
+
+def _swiglu(hp: str, mp: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> list[Weight]:
+    return [
+        Weight(mp + "linear_fc1.weight", hp + "gate_up_proj.weight", (hp + gate + ".weight", hp + up + ".weight"),
+               "gate_up"),
+        Weight(mp + "linear_fc2.weight", hp + "down_proj.weight", (hp + down + ".weight",)),
+    ]
+
+
+def _kimi_linear(spec: KimiSpec) -> list[Weight]:
+    def same(hf: str, mg: str) -> Weight:
+        return Weight(mg, hf, (hf,))
+
+    out = [same("model.embed_tokens.weight", "embedding.word_embeddings.weight")]
+    for i, kind in enumerate(spec.layer_types):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out += [same(h + "input_layernorm.weight", m + "input_layernorm.weight"),
+                same(h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight")]
+        if kind == "kda":
+            out += [same(h + hf, m + mg) for hf, mg in _KIMI_LINEAR_KDA.items()]
+            out.append(Weight(m + "self_attention.conv1d.weight", h + "self_attn.conv1d.weight",
+                              tuple(f"{h}self_attn.{c}.weight" for c in kimi.KIMI_LINEAR_CONVS), "conv"))
+        else:
+            out += [same(h + hf, m + mg) for hf, mg in _KIMI_MIXER["mla"].items() if ".indexer." not in hf]
+        if not spec.is_moe_layer(i):
+            out += _swiglu(h + "mlp.", m + "mlp.")
+            continue
+        b = h + "block_sparse_moe."
+        out += [same(b + "gate.weight", m + "mlp.router.weight"),
+                same(b + "gate.e_score_correction_bias", m + "mlp.router.e_score_correction_bias")]
+        for e in range(spec.n_routed_experts):
+            out += _swiglu(f"{b}experts.{e}.", f"{m}mlp.experts.local_experts.{e}.", "w1", "w3", "w2")
+        if spec.n_shared_experts:
+            out += _swiglu(b + "shared_experts.", m + "mlp.shared_experts.")
+    out.append(same("model.norm.weight", "decoder.final_layernorm.weight"))
+    if not spec.tie_word_embeddings:
+        out.append(same("lm_head.weight", "output_layer.weight"))
+    return out
+
+
 def weight_map(spec: ModelSpec | KimiSpec) -> list[Weight]:
     """Every tensor of the model, in checkpoint order."""
-    return _kimi(spec) if isinstance(spec, KimiSpec) else _dense(spec)
+    if isinstance(spec, KimiSpec):
+        return _kimi_linear(spec) if spec.is_linear else _kimi(spec)
+    return _dense(spec)
 
 
 def pack(weight: Weight, parts: list[torch.Tensor], spec: ModelSpec | KimiSpec) -> torch.Tensor:
@@ -145,6 +201,8 @@ def pack(weight: Weight, parts: list[torch.Tensor], spec: ModelSpec | KimiSpec) 
         return layouts.pack_qkv(*parts, spec.num_kv_heads)
     if weight.pack == "gate_up":
         return layouts.pack_gate_up(*parts)
+    if weight.pack == "conv":  # q/k/v depthwise [HD, 1, K] each -> [3HD, K]
+        return torch.cat([p.reshape(p.shape[0], -1) for p in parts])
     (tensor,) = parts
     return tensor
 
@@ -155,6 +213,8 @@ def unpack(weight: Weight, tensor: torch.Tensor, spec: ModelSpec | KimiSpec) -> 
         return layouts.unpack_qkv(tensor, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     if weight.pack == "gate_up":
         return layouts.unpack_gate_up(tensor)
+    if weight.pack == "conv":
+        return tuple(p.unsqueeze(1).contiguous() for p in tensor.chunk(len(weight.hf)))
     return (tensor,)
 
 

@@ -66,6 +66,35 @@ KIMI_PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096, initializer_range=0.05,
     ),
 }
+# kimi-linear: the published Kimi Linear format (KimiLinearForCausalLM) at test sizes, same
+# shapes as kimi-mini where both have them; the first layer dense, two expert groups so the
+# grouped top-k really drops experts, and Kimi-Linear-48B's routed_scaling_factor.
+KIMI_LINEAR_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+        linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=4, head_dim=32,
+                                short_conv_kernel_size=4),
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, num_experts=8, num_experts_per_token=2,
+        moe_intermediate_size=128, num_shared_experts=1, num_expert_group=2, topk_group=1,
+        model_max_length=2048, initializer_range=0.1,
+    ),
+    "small": dict(
+        hidden_size=256, num_hidden_layers=8, intermediate_size=512,
+        linear_attn_config=dict(kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8], num_heads=8,
+                                head_dim=32, short_conv_kernel_size=4),
+        num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, num_experts=16, num_experts_per_token=4,
+        moe_intermediate_size=128, num_shared_experts=1, num_expert_group=4, topk_group=2,
+        model_max_length=4096, initializer_range=0.05,
+    ),
+}
+KIMI_LINEAR_FIXED: dict[str, Any] = dict(
+    q_lora_rank=None, mla_use_nope=True, first_k_dense_replace=1, moe_layer_freq=1,
+    routed_scaling_factor=2.446, moe_renormalize=True, use_grouped_topk=True,
+    moe_router_activation_func="sigmoid", hidden_act="silu", num_nextn_predict_layers=0,
+    tie_word_embeddings=False, use_cache=True,
+)
 ROPE_THETA = 10000.0
 RMS_NORM_EPS = 1e-6
 VOCAB_MULTIPLE = 64  # embedding rows padded so the vocab splits evenly under tensor parallelism
@@ -350,8 +379,19 @@ def kimi_config(preset: str, vocab_size: int) -> dict[str, Any]:
     )
 
 
+def kimi_linear_config(preset: str, vocab_size: int) -> dict[str, Any]:
+    """config.json of a kimi-linear `preset`, with the keys published Kimi Linear checkpoints use."""
+    _check_choice("preset", preset, KIMI_LINEAR_PRESETS)
+    eos = SPECIAL_TOKENS.index(EOS)
+    return dict(
+        KIMI_LINEAR_PRESETS[preset], **KIMI_LINEAR_FIXED, architectures=[ARCHITECTURES["kimi-linear"]],
+        model_type="kimi_linear", vocab_size=vocab_size, rope_theta=ROPE_THETA, rms_norm_eps=RMS_NORM_EPS,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    )
+
+
 def kimi_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
-    """Random-init kimi-mini weights (fp32) by HF name, drawn from `seed` alone."""
+    """Random-init kimi-mini / kimi-linear weights (fp32) by HF name, drawn from `seed` alone."""
     import torch
 
     from parity.kimi import hf_weight_shapes
@@ -371,6 +411,8 @@ def kimi_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
             out[name] = dt + torch.log(-torch.expm1(-dt))
         elif name.endswith("conv1d.weight"):
             out[name] = torch.empty(shape).normal_(0.0, 0.5, generator=gen)
+        elif name.endswith("e_score_correction_bias"):  # nonzero, so selection and weights differ
+            out[name] = torch.empty(shape).normal_(0.0, 0.1, generator=gen)
         else:
             out[name] = torch.empty(shape).normal_(0.0, std, generator=gen)
     return out
@@ -390,10 +432,12 @@ DERIVED = {
 
 
 def settable_keys(arch: str) -> tuple[str, ...]:
-    from parity.model_spec import KimiSpec
+    from parity.model_spec import _LATER, KimiSpec
 
     if arch == "kimi-mini":
-        return tuple(sorted(set(KimiSpec.__dataclass_fields__) - {"vocab_size", "tie_word_embeddings"}))
+        return tuple(sorted(set(KimiSpec.__dataclass_fields__) - {"vocab_size", "tie_word_embeddings", *_LATER}))
+    if arch == "kimi-linear":
+        return tuple(sorted((set(KIMI_LINEAR_PRESETS["tiny"]) | set(KIMI_LINEAR_FIXED)) - {"num_hidden_layers"}))
     return DENSE_SETTABLE
 
 
@@ -406,7 +450,7 @@ def parse_overrides(arch: str, pairs: Iterable[str]) -> dict[str, Any]:
         if not sep or not key:
             raise UserError(f"--set {pair!r}: expected KEY=VALUE")
         if key not in settable:
-            why = DERIVED.get(key) if arch == "kimi-mini" else None
+            why = DERIVED.get(key) if arch.startswith("kimi") else None
             raise UserError(
                 f"--set {key}: not settable for --arch {arch}"
                 + (f" ({why})" if why else "") + f"; settable: {', '.join(settable)}"
@@ -436,22 +480,27 @@ def _check_dense_overrides(config: PretrainedConfig, overrides: dict[str, Any], 
 
 
 def _init_kimi(
-    preset: str, seed: int, out: Path, dtype: str, force: bool, overrides: dict[str, Any] | None = None
+    arch: str, preset: str, seed: int, out: Path, dtype: str, force: bool, overrides: dict[str, Any] | None = None
 ) -> Path:
     from safetensors.torch import save_file
 
-    _check_choice("preset", preset, KIMI_PRESETS)
+    linear = arch == "kimi-linear"
+    _check_choice("preset", preset, KIMI_LINEAR_PRESETS if linear else KIMI_PRESETS)
     torch_dtype = _torch_dtype(dtype)
     _check_out_dir(out, force)
-    max_len = KIMI_PRESETS[preset]["max_position_embeddings"]
+    max_len = KIMI_LINEAR_PRESETS[preset]["model_max_length"] if linear else KIMI_PRESETS[preset]["max_position_embeddings"]
     tokenizer = build_tokenizer(TOKENIZER_VOCAB[preset], max_len)
     vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    config = kimi_config(preset, vocab_size)
+    config = (kimi_linear_config if linear else kimi_config)(preset, vocab_size)
     if overrides:
         from parity.model_spec import KimiSpec
 
         config.update(overrides)
-        config["num_hidden_layers"] = len(config["layer_types"])
+        if linear:
+            lac = config["linear_attn_config"]
+            config["num_hidden_layers"] = len(lac.get("kda_layers", [])) + len(lac.get("full_attn_layers", []))
+        else:
+            config["num_hidden_layers"] = len(config["layer_types"])
         try:
             KimiSpec.from_hf_config(config)
         except (ValueError, TypeError, KeyError) as e:
@@ -483,8 +532,8 @@ def init_model(
 
     out = Path(out_dir)
     _check_choice("arch", arch, ARCHITECTURES)
-    if arch == "kimi-mini":
-        return _init_kimi(preset, seed, out, dtype, force, overrides)
+    if arch in ("kimi-mini", "kimi-linear"):
+        return _init_kimi(arch, preset, seed, out, dtype, force, overrides)
     _check_choice("preset", preset, PRESETS)
     torch_dtype = _torch_dtype(dtype)
     _check_out_dir(out, force)  # before any work, so a bad OUT fails fast
@@ -671,7 +720,7 @@ def add_model_commands(subparsers: Any) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="a config.json field (JSON value) of the preset to change, e.g. --set head_dim=48"
         " --set vocab_size=515, or for kimi-mini --set 'layer_types=[\"kda\",\"mla\"]'"
-        " --set n_routed_experts=16",
+        " --set n_routed_experts=16, for kimi-linear --set num_experts=16",
     )
     init.add_argument("out", metavar="OUT", help="directory to create")
     init.set_defaults(func=_cmd_init)

@@ -150,16 +150,21 @@ class KimiKDA(MegatronModule):
         self.linear_f_a_proj = KimiLinear(h, d, dt)
         self.linear_f_b_proj = KimiLinear(d, nh * d, dt)
         self.linear_b_proj = KimiLinear(h, nh, dt)
-        self.linear_g_proj = KimiLinear(h, nh * d, dt)
+        if spec.is_linear:  # kimi-linear's output gate is low rank
+            self.linear_g_a_proj = KimiLinear(h, d, dt)
+            self.linear_g_b_proj = KimiLinear(d, nh * d, dt)
+        else:
+            self.linear_g_proj = KimiLinear(h, nh * d, dt)
         self.linear_proj = KimiLinear(nh * d, h, dt)
         self.conv1d = _Weight((spec.kda_conv_channels, spec.kda_conv_size), dt)
         self.dt_bias = torch.nn.Parameter(torch.zeros(nh * d, dtype=dt))
-        self.A_log = torch.nn.Parameter(torch.zeros(nh, dtype=dt))
+        self.A_log = torch.nn.Parameter(torch.zeros((1, 1, nh, 1) if spec.is_linear else (nh,), dtype=dt))
         self.o_norm = _Weight((d,), dt, 1.0)
         prefix, parts = f"model.layers.{self.layer_index}.self_attn.", _lora_parts(spec)
         for name, hf in _KDA_LINEARS.items():
-            path = prefix + hf
-            getattr(self, name).set_path(path, parts[path][1] if path in parts else None)
+            if hasattr(self, name):
+                path = prefix + hf
+                getattr(self, name).set_path(path, parts[path][1] if path in parts else None)
 
     # parity/kimi.py's names for the same modules
     q_proj = property(lambda self: self.linear_q_proj)
@@ -169,6 +174,8 @@ class KimiKDA(MegatronModule):
     f_b_proj = property(lambda self: self.linear_f_b_proj)
     b_proj = property(lambda self: self.linear_b_proj)
     g_proj = property(lambda self: self.linear_g_proj)
+    g_a_proj = property(lambda self: self.linear_g_a_proj)
+    g_b_proj = property(lambda self: self.linear_g_b_proj)
     o_proj = property(lambda self: self.linear_proj)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **_) -> tuple[torch.Tensor, None]:
@@ -184,7 +191,8 @@ class KimiKDA(MegatronModule):
 _KDA_LINEARS = {
     "linear_q_proj": "q_proj", "linear_k_proj": "k_proj", "linear_v_proj": "v_proj",
     "linear_f_a_proj": "f_a_proj", "linear_f_b_proj": "f_b_proj", "linear_b_proj": "b_proj",
-    "linear_g_proj": "g_proj", "linear_proj": "o_proj",
+    "linear_g_proj": "g_proj", "linear_g_a_proj": "g_a_proj", "linear_g_b_proj": "g_b_proj",
+    "linear_proj": "o_proj",
 }
 
 
@@ -216,9 +224,12 @@ class KimiMLA(MegatronModule):
         self.kv_layernorm = _Weight((spec.kv_lora_rank,), dt, 1.0)
         self.linear_kv_up_proj = KimiLinear(spec.kv_lora_rank, hm * (spec.qk_nope_head_dim + spec.v_head_dim), dt)
         self.linear_proj = KimiLinear(hm * spec.v_head_dim, h, dt)
-        self.indexer = KimiIndexer(spec, dt)
+        if spec.has_indexer:
+            self.indexer = KimiIndexer(spec, dt)
         prefix, parts = f"model.layers.{self.layer_index}.self_attn.", _lora_parts(spec)
         for name, hf in _MLA_LINEARS.items():
+            if name.startswith("indexer.") and not spec.has_indexer:
+                continue
             path = prefix + hf
             self.get_submodule(name).set_path(path, parts[path][1] if path in parts else None)
         self.trace: dict[str, torch.Tensor] | None = None  # see routing_trace
@@ -236,6 +247,8 @@ class KimiMLA(MegatronModule):
         q_seq = torch.arange(b, device=device).repeat_interleave(s)
         q, entry, index_q, index_w = kimi.mla_entries(self, spec, _flat(hidden_states), positions)
         ctx = entry.view(b, s, -1)
+        if not spec.has_indexer:  # kimi-linear: every earlier key
+            return _unflat(kimi.mla_attend_full(self, spec, q, ctx, q_seq, positions), s, b), None
         # Top-k is discrete: no gradient reaches the indexer through it, so skip its graph.
         with torch.no_grad():
             selected, count = kimi.indexer_topk(
@@ -269,9 +282,15 @@ class KimiExpert(torch.nn.Module):
     gate_up_proj = property(lambda self: self.linear_fc1)
     down_proj = property(lambda self: self.linear_fc2)
 
-    def set_paths(self, prefix: str, parts: dict[str, tuple[int, Parts]]) -> None:
-        self.linear_fc1.set_path(prefix + "gate_up_proj", parts[prefix + "gate_up_proj"][1])
-        self.linear_fc2.set_path(prefix + "down_proj", parts[prefix + "down_proj"][1])
+    def set_paths(self, prefix: str, parts: dict[str, tuple[int, Parts]], down: str = "down_proj") -> None:
+        _set_swiglu_paths(self, prefix, parts, down)
+
+
+def _set_swiglu_paths(module, prefix: str, parts: dict[str, tuple[int, Parts]], down: str = "down_proj") -> None:
+    """HF module paths of a SwiGLU's linear_fc1 / linear_fc2: `{prefix}gate_up_proj` (fused) and
+    `{prefix}{down}` (kimi-linear's routed experts: w2)."""
+    module.linear_fc1.set_path(prefix + "gate_up_proj", parts[prefix + "gate_up_proj"][1])
+    module.linear_fc2.set_path(prefix + down, parts[prefix + down][1])
 
 
 class KimiExperts(torch.nn.Module):
@@ -296,8 +315,11 @@ class KimiMoE(MegatronModule):
         spec = self.spec = _spec(config)
         dt = config.params_dtype
         self.router = _Weight((spec.n_routed_experts, spec.hidden_size), dt)
+        if spec.is_linear:  # added to the router's scores for the choice of experts only
+            self.router.e_score_correction_bias = torch.nn.Parameter(torch.zeros(spec.n_routed_experts, dtype=dt))
         self.experts = KimiExperts(spec, dt)
-        self.shared_experts = KimiExpert(spec.hidden_size, spec.shared_intermediate_size, dt)
+        if spec.n_shared_experts:
+            self.shared_experts = KimiExpert(spec.hidden_size, spec.shared_intermediate_size, dt)
         self.layer_index = -1
         self.trace: dict[str, torch.Tensor] | None = None  # see routing_trace
 
@@ -307,10 +329,12 @@ class KimiMoE(MegatronModule):
         """TransformerLayer calls this right after building the mlp slot (which gets no layer
         number): the HF paths of the expert linears name their layer."""
         self.layer_index = layer_number - 1
-        prefix, parts = f"model.layers.{self.layer_index}.mlp.", _lora_parts(self.spec)
+        block = "block_sparse_moe" if self.spec.is_linear else "mlp"
+        prefix, parts = f"model.layers.{self.layer_index}.{block}.", _lora_parts(self.spec)
         for e, expert in enumerate(self.experts.local_experts):
-            expert.set_paths(f"{prefix}experts.{e}.", parts)
-        self.shared_experts.set_paths(f"{prefix}shared_experts.", parts)
+            expert.set_paths(f"{prefix}experts.{e}.", parts, "w2" if self.spec.is_linear else "down_proj")
+        if self.spec.n_shared_experts:
+            self.shared_experts.set_paths(f"{prefix}shared_experts.", parts)
 
     def forward(self, hidden_states: torch.Tensor, **_) -> tuple[torch.Tensor, None]:
         s, b, _h = hidden_states.shape
@@ -318,6 +342,29 @@ class KimiMoE(MegatronModule):
         if self.trace is not None:
             self.trace["experts"] = experts
         return _unflat(out, s, b), None
+
+
+class KimiDenseMLP(MegatronModule):
+    """A dense SwiGLU MLP in the mlp slot (kimi-linear's first first_k_dense_replace layers)."""
+
+    def __init__(self, config: TransformerConfig, **_):
+        super().__init__(config=config)
+        spec = self.spec = _spec(config)
+        dt = config.params_dtype
+        self.linear_fc1 = KimiLinear(spec.hidden_size, 2 * spec.intermediate_size, dt)
+        self.linear_fc2 = KimiLinear(spec.intermediate_size, spec.hidden_size, dt)
+
+    gate_up_proj = property(lambda self: self.linear_fc1)
+    down_proj = property(lambda self: self.linear_fc2)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """As KimiMoE.set_layer_number: the HF paths name the layer."""
+        prefix = f"model.layers.{layer_number - 1}.mlp."
+        _set_swiglu_paths(self, prefix, _lora_parts(self.spec))
+
+    def forward(self, hidden_states: torch.Tensor, **_) -> tuple[torch.Tensor, None]:
+        s, b, _h = hidden_states.shape
+        return _unflat(kimi.dense_mlp(self, _flat(hidden_states)), s, b), None
 
 
 # --- the model ------------------------------------------------------------------------------------
@@ -336,11 +383,11 @@ def kimi_block_spec(spec: KimiSpec) -> TransformerBlockSubmodules:
                 pre_mlp_layernorm=ParityRMSNorm,
                 # A bare class, not a ModuleSpec: TransformerLayer then passes only the config
                 # (the spec comes through it) and logs no "unknown MLP type" warning.
-                mlp=KimiMoE,
+                mlp=KimiMoE if spec.is_moe_layer(i) else KimiDenseMLP,
                 mlp_bda=get_bias_dropout_add,
             ),
         )
-        for kind in spec.layer_types
+        for i, kind in enumerate(spec.layer_types)
     ]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=ParityRMSNorm)
 
@@ -427,9 +474,10 @@ def lora_linears_of(model: GPTModel) -> Iterator[tuple[int, KimiLinear]]:
 def _tracing(model: GPTModel) -> Iterator[list[tuple[int, str, torch.nn.Module]]]:
     modules = []
     for i, layer in enumerate(model.decoder.layers):
-        if isinstance(layer.self_attention, KimiMLA):
+        if isinstance(layer.self_attention, KimiMLA) and layer.self_attention.spec.has_indexer:
             modules.append((i, "self_attn.selected", layer.self_attention))
-        modules.append((i, "mlp.experts", layer.mlp))
+        if isinstance(layer.mlp, KimiMoE):
+            modules.append((i, "mlp.experts", layer.mlp))
     for _, _, m in modules:
         m.trace = {}
     try:
