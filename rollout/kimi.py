@@ -55,7 +55,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from parity import kernels, kimi
 from parity.kimi import Pair
-from parity.model_spec import KIMI_ARCHITECTURE, KimiSpec
+from parity.model_spec import KIMI_ARCHITECTURE, KIMI_LINEAR_ARCHITECTURE, KimiSpec
 from rollout.attention import ParityAttentionBackend, _slot_view
 from rollout.plugin import KDA_BACKEND
 from rollout.sync import PackedWeight, SyncedModel
@@ -68,8 +68,10 @@ _KDA_BACKEND_PATH = "rollout.kimi.ParityKdaBackend"
 
 
 def spec_from_hf_config(config) -> KimiSpec:
+    """The spec of vLLM's hf_config (its `architectures` name the parity class, so the format
+    comes from model_type)."""
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    d["architectures"] = [KIMI_ARCHITECTURE]
+    d["architectures"] = [KIMI_LINEAR_ARCHITECTURE if d.get("model_type") == "kimi_linear" else KIMI_ARCHITECTURE]
     return KimiSpec.from_hf_config(d)
 
 
@@ -193,15 +195,20 @@ class ParityKda(nn.Module, MambaBase):
         super().__init__()
         self.spec, self.prefix = spec, prefix
         h, nh, d = spec.hidden_size, spec.kda_num_heads, spec.kda_head_dim
-        for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
+        for name in ("q_proj", "k_proj", "v_proj"):
             setattr(self, name, lin(nh * d, h, f"{prefix}.{name}"))
+        if spec.is_linear:  # kimi-linear's output gate is low rank
+            self.g_a_proj = lin(d, h, f"{prefix}.g_a_proj")
+            self.g_b_proj = lin(nh * d, d, f"{prefix}.g_b_proj")
+        else:
+            self.g_proj = lin(nh * d, h, f"{prefix}.g_proj")
         self.f_a_proj = lin(d, h, f"{prefix}.f_a_proj")
         self.f_b_proj = lin(nh * d, d, f"{prefix}.f_b_proj")
         self.b_proj = lin(nh, h, f"{prefix}.b_proj")
         self.o_proj = lin(h, nh * d, f"{prefix}.o_proj")
         self.conv1d = _Weight(spec.kda_conv_channels, spec.kda_conv_size, dtype=dtype)
         self.dt_bias = _param(nh * d, dtype=dtype)
-        self.A_log = _param(nh, dtype=dtype)
+        self.A_log = _param(*((1, 1, nh, 1) if spec.is_linear else (nh,)), dtype=dtype)
         self.o_norm = _Weight(d, dtype=dtype)
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
@@ -275,7 +282,8 @@ class ParityMla(nn.Module):
         self.kv_a_layernorm = _Weight(spec.kv_lora_rank, dtype=dtype)
         self.kv_b_proj = lin(hm * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank, f"{prefix}.kv_b_proj")
         self.o_proj = lin(h, hm * spec.v_head_dim, f"{prefix}.o_proj")
-        self.indexer = _Indexer(spec, lin, f"{prefix}.indexer")
+        if spec.has_indexer:
+            self.indexer = _Indexer(spec, lin, f"{prefix}.indexer")
         # Never called: it owns the paged cache (one "head" of one entry per token) and makes
         # vLLM build the parity attention metadata for this layer.
         self.attn = Attention(
@@ -297,12 +305,16 @@ class ParityMla(nn.Module):
         if meta is None:
             return out
         q, ctx, selected, count = self.select(meta, positions, h)
-        out[:meta.num_query_tokens] = kimi.mla_attend(self, self.spec, q, ctx, meta.q_seq, selected, count)
+        n = meta.num_query_tokens
+        if selected is None:  # no indexer (kimi-linear): every earlier key
+            out[:n] = kimi.mla_attend_full(self, self.spec, q, ctx, meta.q_seq, meta.q_pos)
+        else:
+            out[:n] = kimi.mla_attend(self, self.spec, q, ctx, meta.q_seq, selected, count)
         return out
 
     def select(self, meta, positions: torch.Tensor, h: torch.Tensor):
         """Write this step's cache entries, read each request's context back and run the
-        indexer: (q, ctx [R, L, width], selected, count). Idempotent: the routing trace
+        indexer: (q, ctx [R, L, width], selected, count; both None without an indexer). Idempotent: the routing trace
         (rollout/kimi_trace.py) calls it again after the forward to see the selection."""
         s, n, width = self.spec, meta.num_query_tokens, self.spec.mla_cache_width
         q, entry, index_q, index_w = kimi.mla_entries(self, s, h[:n], positions[:n])
@@ -314,6 +326,8 @@ class ParityMla(nn.Module):
         # Positions past a request's end read slot 0: zero them (never selected either way).
         valid = torch.arange(ctx.shape[1]).unsqueeze(0) < meta.seq_lens.unsqueeze(1)
         ctx = ctx.masked_fill(~valid.unsqueeze(-1), 0)
+        if not s.has_indexer:
+            return q, ctx, None, None
         selected, count = kimi.indexer_topk(
             s, index_q, index_w, ctx[..., -s.index_head_dim :], meta.q_seq, meta.q_pos
         )
@@ -321,21 +335,35 @@ class ParityMla(nn.Module):
 
 
 class _Expert(nn.Module):
-    def __init__(self, spec: KimiSpec, lin: _Linears, inter: int, prefix: str) -> None:
+    """A SwiGLU: gate_up_proj ([gate; up] fused) and down_proj, whose LoRA path is
+    `{prefix}.{down}` (kimi-linear's routed experts: w2)."""
+
+    def __init__(self, spec: KimiSpec, lin: _Linears, inter: int, prefix: str, down: str = "down_proj") -> None:
         super().__init__()
         self.gate_up_proj = lin(2 * inter, spec.hidden_size, f"{prefix}.gate_up_proj")
-        self.down_proj = lin(spec.hidden_size, inter, f"{prefix}.down_proj")
+        self.down_proj = lin(spec.hidden_size, inter, f"{prefix}.{down}")
+
+
+class _DenseMlp(_Expert):
+    """A dense layer's MLP (kimi-linear's first first_k_dense_replace layers)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return kimi.dense_mlp(self, h)
 
 
 class ParityMoe(nn.Module):
     def __init__(self, spec: KimiSpec, lin: _Linears, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         self.gate = _Weight(spec.n_routed_experts, spec.hidden_size, dtype=dtype)
+        if spec.is_linear:  # added to the scores for the choice of experts only
+            self.gate.e_score_correction_bias = _param(spec.n_routed_experts, dtype=dtype)
+        down = "w2" if spec.is_linear else "down_proj"
         self.experts = nn.ModuleList(
-            _Expert(spec, lin, spec.moe_intermediate_size, f"{prefix}.experts.{e}")
+            _Expert(spec, lin, spec.moe_intermediate_size, f"{prefix}.experts.{e}", down)
             for e in range(spec.n_routed_experts)
         )
-        self.shared_experts = _Expert(spec, lin, spec.shared_intermediate_size, f"{prefix}.shared_experts")
+        if spec.n_shared_experts:
+            self.shared_experts = _Expert(spec, lin, spec.shared_intermediate_size, f"{prefix}.shared_experts")
         self.spec = spec
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -355,7 +383,13 @@ class ParityKimiLayer(nn.Module):
             self.self_attn = ParityKda(spec, lin, dtype, f"{prefix}.self_attn")
         else:
             self.self_attn = ParityMla(spec, lin, dtype, cache_config, f"{prefix}.self_attn")
-        self.mlp = ParityMoe(spec, lin, dtype, f"{prefix}.mlp")
+        # The HF module names: kimi-linear's MoE is `block_sparse_moe`, its dense layers' `mlp`.
+        if not spec.is_moe_layer(i):
+            self.mlp = _DenseMlp(spec, lin, spec.intermediate_size, f"{prefix}.mlp")
+        elif spec.is_linear:
+            self.block_sparse_moe = ParityMoe(spec, lin, dtype, f"{prefix}.block_sparse_moe")
+        else:
+            self.mlp = ParityMoe(spec, lin, dtype, f"{prefix}.mlp")
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         h = kernels.rms_norm(x, self.input_layernorm.weight, self.eps)
@@ -364,7 +398,11 @@ class ParityKimiLayer(nn.Module):
         else:
             x = x + self.self_attn(positions, h)
         h = kernels.rms_norm(x, self.post_attention_layernorm.weight, self.eps)
-        return x + self.mlp(h)
+        return x + self.ffn(h)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
 
 class ParityKimiModel(nn.Module):
@@ -372,7 +410,7 @@ class ParityKimiModel(nn.Module):
         super().__init__()
         self.spec = spec
         lin = _Linears(spec, dtype)
-        self.embed_tokens = PackedWeight(spec.vocab_size, spec.hidden_size, dtype=dtype)  # tied LM head
+        self.embed_tokens = PackedWeight(spec.vocab_size, spec.hidden_size, dtype=dtype)  # the LM head if tied
         self.layers = nn.ModuleList(
             ParityKimiLayer(spec, i, lin, dtype, cache_config) for i in range(spec.num_layers)
         )
@@ -474,11 +512,11 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
             raise NotImplementedError("the kimi-mini parity model is a top-level model")
         model_config = vllm_config.model_config
         self.spec = spec_from_hf_config(model_config.hf_config)
-        if not self.spec.tie_word_embeddings:
-            raise NotImplementedError("kimi-mini ties its embeddings")
         self.dtype = model_config.dtype
         self.config = model_config.hf_config
         self.model = ParityKimiModel(self.spec, self.dtype, vllm_config.cache_config)
+        if not self.spec.tie_word_embeddings:  # kimi-linear
+            self.lm_head = PackedWeight(self.spec.vocab_size, self.spec.hidden_size, dtype=self.dtype)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return kernels.embedding(input_ids, self.model.embed_tokens.weight)
@@ -494,7 +532,8 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
         return kernels.rms_norm(x, self.model.norm.weight, self.spec.rms_norm_eps)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(hidden_states, self.model.embed_tokens.weight, packed=self.model.embed_tokens.pack())
+        head = self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
+        return kernels.linear(hidden_states, head.weight, packed=head.pack())
 
     # --- weights --------------------------------------------------------------------------
 
@@ -529,3 +568,10 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
 def _held_copy(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of an adapter tensor on the weight's device (a sync arrives on the host)."""
     return t.to(weight.device, copy=True, memory_format=torch.contiguous_format)
+
+
+class ParityKimiLinearForCausalLM(ParityKimiMiniForCausalLM):
+    """The same model on a published Kimi Linear checkpoint (`KimiLinearForCausalLM`), registered
+    as `KimiRLParityKimiLinearForCausalLM`; the spec's format picks the names and the math."""
+
+    hf_architecture = KIMI_LINEAR_ARCHITECTURE

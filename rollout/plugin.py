@@ -20,6 +20,7 @@ _MODEL_CLASSES = {
     "llama": "rollout.llama:ParityLlamaForCausalLM",
     "qwen3": "rollout.qwen3:ParityQwen3ForCausalLM",
     "kimi-mini": "rollout.kimi:ParityKimiMiniForCausalLM",
+    "kimi-linear": "rollout.kimi:ParityKimiLinearForCausalLM",
 }
 
 
