@@ -14,7 +14,7 @@ from parity.model_spec import load_spec
 from rl.models import init_model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "kimi-mini", "qwen3-vocab515"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "kimi-mini", "kimi-linear", "qwen3-vocab515"])
 def spec(request, tmp_path_factory):
     arch, _, vocab = request.param.partition("-vocab")
     out = tmp_path_factory.mktemp(request.param) / "model"
