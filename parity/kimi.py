@@ -311,7 +311,7 @@ def route(
         grouped = choice.view(-1, groups, spec.n_routed_experts // groups)
         best2 = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2]
         keep = _top(best2[..., 0] + best2[..., 1], spec.topk_group)  # [N, topk_group]
-        mask = torch.zeros(choice.shape[0], groups, dtype=torch.bool).scatter(1, keep, True)
+        mask = torch.zeros(choice.shape[0], groups, dtype=torch.bool, device=choice.device).scatter(1, keep, True)
         choice = grouped.masked_fill(~mask.unsqueeze(-1), -math.inf).view_as(choice)
     experts = _top(choice, spec.num_experts_per_tok)
     weights = scores.gather(1, experts)

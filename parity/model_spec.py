@@ -249,8 +249,12 @@ class KimiSpec:
         )
         if spec.first_k_dense_replace and spec.intermediate_size < 1:
             raise ValueError("intermediate_size must be >= 1 when first_k_dense_replace > 0")
-        if spec.n_routed_experts % spec.num_expert_group or not 0 < spec.topk_group <= spec.num_expert_group:
-            raise ValueError("num_experts must split into num_expert_group groups, topk_group in 1..groups")
+        groups = spec.num_expert_group
+        if groups < 1 or spec.n_routed_experts % groups or (groups > 1 and spec.n_routed_experts // groups < 2):
+            # a group is ranked by the sum of its two best scores
+            raise ValueError("num_expert_group must split num_experts into groups of >= 2 experts")
+        if not 0 < spec.topk_group <= groups:
+            raise ValueError("topk_group must be in 1..num_expert_group")
         return spec.validated()
 
     def validated(self) -> KimiSpec:

@@ -6,7 +6,11 @@ equal to the trainer's. Per layer (the trainer runs exactly this):
     x = x + mixer(rms_norm(x, input_layernorm))          # kda_mixer | MLA (mla_entries,
     x = x + moe(rms_norm(x, post_attention_layernorm))   #   indexer_topk, mla_attend)
 
-then `rms_norm(x, norm)`; logits `linear(x, embed_tokens)` (tied), log-probs by vLLM's sampler.
+then `rms_norm(x, norm)`; logits `linear(x, embed_tokens)` (tied; kimi-linear: `lm_head`),
+log-probs by vLLM's sampler. The same classes run kimi-linear checkpoints (the published Kimi
+Linear format, registered as `KimiRLParityKimiLinearForCausalLM`): the spec's format picks the
+low-rank KDA gate, MLA over every earlier key without RoPE or indexer, the MoE under
+`block_sparse_moe` (dense `mlp` in the first first_k_dense_replace layers) and its routing.
 
 Per-request state lives in vLLM's caches, so vLLM schedules, preempts and frees it:
 

@@ -1,4 +1,5 @@
-"""kimi-mini on Megatron-core: a GPTModel whose layer spec plugs in KDA / MLA mixers and a MoE
+"""kimi-mini and kimi-linear on Megatron-core: a GPTModel whose layer spec plugs in KDA / MLA
+mixers and a MoE (or, in kimi-linear's first first_k_dense_replace layers, a dense SwiGLU)
 feed-forward that compute through parity/kimi.py, the functions the vLLM rollout calls too.
 
 Every layer is a stock `TransformerLayer` (norms, residual adds and the embedding / final norm /
