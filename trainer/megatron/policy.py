@@ -151,7 +151,9 @@ class PolicyTrainer(PolicyStep):
         sampled distribution (vLLM's processed log-probs), or of the raw softmax with `raw`
         (what vLLM's teacher-forced prompt log-probs are)."""
         sampling = None if raw else self.sampling
-        return sequence_logprobs(self.model, sequences, starts, self.config.micro_batch_size, sampling)
+        return self._score_shares(
+            lambda seqs, st: sequence_logprobs(self.model, seqs, st, self.config.micro_batch_size, sampling),
+            sequences, starts)
 
     @torch.no_grad()
     def ref_logprobs(self, sequences: list[list[int]], starts: list[int]) -> list[Tensor]:
@@ -160,8 +162,12 @@ class PolicyTrainer(PolicyStep):
             raise ValueError("no reference policy: a full fine-tune keeps a frozen base copy "
                              "only when algorithm.kl_coef > 0 or algorithm.name is ppo")
         tempered = Sampling(temperature=self.sampling.temperature)
-        with lora_lib.adapters_disabled(self.frozen):
-            return sequence_logprobs(self.frozen, sequences, starts, self.config.micro_batch_size, tempered)
+
+        def score(seqs: list[list[int]], st: list[int]) -> list[Tensor]:
+            with lora_lib.adapters_disabled(self.frozen):
+                return sequence_logprobs(self.frozen, seqs, st, self.config.micro_batch_size, tempered)
+
+        return self._score_shares(score, sequences, starts)
 
     def _policy_forward(self, mb: Micro) -> tuple[Tensor, Tensor]:
         """(log-probs [B, T] of the response tokens, logits [B, W - 1, V] of the sampled
