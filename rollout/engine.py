@@ -47,7 +47,7 @@ from parity.dtypes import dtype_string, torch_dtype
 from parity.lora import AdapterLayout, adapter_shapes
 from parity.model_spec import KimiSpec, load_spec
 from parity.sampling import Sampling, request_key
-from parity.wire import Index, index_for, unpack_tensors
+from parity.wire import index_for, unpack_tensors
 from rollout.vllm_patches import (
     install_parity_sampler,
     keep_default_process_group,
@@ -482,12 +482,9 @@ class RolloutEngine:
                 f" scaling {self.adapter_layout.scaling} (fixed for the run)"
             )
 
-    def _require_reserved_index(self, index: Index) -> None:
-        if index != self._reserved_index:
-            raise ValueError(
-                f"this engine reserved a LoRA adapter of {len(self._reserved_index)} tensors"
-                f" ({self.adapter_layout}) and takes only that form; got {len(index)} tensors in another layout"
-            )
+    def _reserved_form_error(self, got: int) -> str:
+        return (f"this engine reserved a LoRA adapter of {len(self._reserved_index)} tensors"
+                f" ({self.adapter_layout}) and takes only that form; got {got} tensors in another layout")
 
     def set_adapter(self, tensors: Tensors, scaling: float) -> None:
         """Compute with a LoRA adapter from now on, replacing any previous one: `tensors` by
@@ -499,11 +496,10 @@ class RolloutEngine:
         # (across processes vLLM turns a worker's exception into a bare Exception) and sends
         # nothing that would be refused.
         check_adapter(self.spec, self.dtype, tensors, scaling)
-        if self.adapter_layout is not None:
-            self._require_reserved_index(index_for(
-                {n: tuple(tensors[n].shape) for n, *_ in self._reserved_index if n in tensors}
-                | {n: tuple(t.shape) for n, t in tensors.items()}, torch_dtype(self.dtype)
-            ))
+        if self.adapter_layout is not None:  # the dtype is checked above
+            reserved = {name: tuple(shape) for name, _, shape, *_ in self._reserved_index}
+            if {n: tuple(t.shape) for n, t in tensors.items()} != reserved:
+                raise ValueError(self._reserved_form_error(len(tensors)))
         self._rpc("kimi_rl_set_adapter", self._pack(tensors), float(scaling))
         self._reset_prefix_cache()
 
@@ -517,7 +513,8 @@ class RolloutEngine:
         self._require_capturable_adapter("set_adapter_packed", scaling)
         index = tuple(index)
         if self.adapter_layout is not None:
-            self._require_reserved_index(tuple((n, d, tuple(shape), o, b) for n, d, shape, o, b in index))
+            if tuple((n, d, tuple(shape), o, b) for n, d, shape, o, b in index) != self._reserved_index:
+                raise ValueError(self._reserved_form_error(len(index)))
         if index != getattr(self, "_checked_index", None):
             # As in set_adapter: refuse a bad adapter here, before the worker sees it (across
             # processes vLLM turns a worker's exception into a bare one). Once per layout.
