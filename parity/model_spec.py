@@ -163,6 +163,12 @@ class KimiSpec:
         return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
+def hf_architecture(model_dir: str | Path) -> str:
+    """The architecture a checkpoint's config.json names ("" if none)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return (config.get("architectures") or [""])[0]
+
+
 def load_spec(model_dir: str | Path) -> ModelSpec | KimiSpec:
     """The spec of a model directory, dense (Llama / Qwen3) or kimi-mini."""
     config = json.loads((Path(model_dir) / "config.json").read_text())

@@ -183,7 +183,7 @@ class Run:
             .remote(
                 cfg.model.path, cfg.model.dtype, parity=cfg.parity.enabled, lora=cfg.lora,
                 trainer=cfg.trainer, algorithm=cfg.algorithm, seed=cfg.seed,
-                sampling=cfg.rollout.sampling(),
+                sampling=cfg.rollout.sampling(), kv_cache_dtype=cfg.rollout.kv_cache_dtype,
                 **({"rank": r, "rendezvous": os.path.join(self._rendezvous.name, "store")} if world > 1 else {}),
             )
             for r in range(world)
@@ -200,6 +200,7 @@ class Run:
                 max_num_batched_tokens=cfg.rollout.max_num_batched_tokens,
                 tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                 enforce_eager=cfg.rollout.enforce_eager, adapter_layout=_reserved_layout(cfg),
+                kv_cache_dtype=cfg.rollout.kv_cache_dtype,
             )
         )
         self.workers = [self._make_worker(i) for i in range(n)]

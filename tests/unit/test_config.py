@@ -403,3 +403,10 @@ def test_placement_defaults_and_keys(write) -> None:
     cfg = load_config(write(), ["ray.address=10.0.0.1:6379", "ray.placement.rollout=host_b"])
     assert (cfg.ray.placement.rollout, cfg.ray.placement.trainer) == ("host_b", None)
     assert load_config(write()).ray.placement.rollout is None
+
+
+def test_fp8_cache_on_a_dense_model_is_refused_naming_the_key(write) -> None:
+    path = write("rollout:\n  kv_cache_dtype: fp8\n")
+    message = error(path)
+    assert message.startswith(f"{path}:5: rollout.kv_cache_dtype: "), message
+    assert "only the Kimi architectures' MLA caches keep FP8 entries" in message, message

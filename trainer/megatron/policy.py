@@ -88,10 +88,12 @@ class PolicyTrainer(PolicyStep):
         algorithm: AlgorithmConfig | None = None,
         seed: int = 0,
         sampling: Sampling | None = None,
+        kv_cache_dtype: str = "auto",  # the rollout's cache format, whose rounding the model repeats
     ):
         self._settings(model_dir, dtype, parity, lora, trainer, algorithm, sampling)
         self._dp = _data_parallel_rank(self.config.data_parallel_size)
-        self.model = load_model(model_dir, dtype, parity, tp_size=self.config.tensor_parallel_size)
+        self.model = load_model(model_dir, dtype, parity, tp_size=self.config.tensor_parallel_size,
+                                kv_cache_dtype=kv_cache_dtype)
         targets = list(self.lora_config.target_modules)
         rank, alpha = self.lora_config.rank, self.lora_config.alpha
         if self.lora_config.enabled:
@@ -101,7 +103,8 @@ class PolicyTrainer(PolicyStep):
         else:
             policy = list(self.model.named_parameters())
             needs_base = self.algorithm.kl_coef > 0 or self.algorithm.name == "ppo"
-            self.frozen = load_model(model_dir, dtype, parity).requires_grad_(False) if needs_base else None
+            self.frozen = (load_model(model_dir, dtype, parity, kv_cache_dtype=kv_cache_dtype).requires_grad_(False)
+                           if needs_base else None)
         self._policy = [(n, p, _fp32_master(p)) for n, p in policy]
 
         self.value_head: torch.nn.Linear | None = None
