@@ -122,6 +122,38 @@ def entry_bytes(width: int, dtype: str) -> int:
     return width + SCALE_BYTES if dtype == "fp8" else width * {"bf16": 2, "fp32": 4}[dtype]
 
 
+def fake_quantize_groups(entry: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
+    """fake_quantize of each consecutive group of `widths` values along the last dim (a cache
+    entry whose parts carry a scale each), in entry's dtype."""
+    return torch.cat([fake_quantize(part) for part in entry.split(widths, dim=-1)], dim=-1)
+
+
+def packed_bytes(widths: tuple[int, ...]) -> int:
+    """Bytes of one packed entry: per group its codes and its fp32 scale."""
+    return sum(widths) + SCALE_BYTES * len(widths)
+
+
+def pack(entry: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
+    """uint8 [..., packed_bytes(widths)]: per group of `widths` values its codes, then its
+    scale's four bytes. For an entry fake_quantize_groups made, unpack returns it exactly."""
+    parts = []
+    for part in entry.split(widths, dim=-1):
+        codes, scale = quantize(part)
+        parts += [codes, scale.contiguous().view(torch.uint8)]
+    return torch.cat(parts, dim=-1)
+
+
+def unpack(packed: torch.Tensor, widths: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The values `pack` stored, [..., sum(widths)] in `dtype`."""
+    out, offset = [], 0
+    for width in widths:
+        codes = packed[..., offset : offset + width]
+        scale = packed[..., offset + width : offset + width + SCALE_BYTES].contiguous().view(torch.float32)
+        out.append(dequantize(codes, scale, dtype))
+        offset += width + SCALE_BYTES
+    return torch.cat(out, dim=-1)
+
+
 def check_kv_cache_dtype(name: str, architecture: str | None) -> None:
     """ValueError unless `name` is a cache format the model of HF `architecture` (None: parity
     off) can keep: FP8 entries exist for the Kimi architectures' MLA caches, in the parity

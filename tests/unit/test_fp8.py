@@ -103,3 +103,17 @@ def test_quantizing_a_quantized_entry_gives_its_values_back():
     once = fp8.fake_quantize(x)
     assert torch.equal(fp8.fake_quantize(once), once)
     assert fp8.token_scale_exponent(once[:1]).item() == fp8.token_scale_exponent(x[:1]).item() - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_entries_unpack_to_the_fake_quantized_values(dtype):
+    # An MLA entry: latent + RoPE key under one scale, the index key under its own.
+    widths = (40, 12)
+    g = torch.Generator().manual_seed(5)
+    entry = (torch.randn(3, 7, 52, generator=g) * torch.tensor([1.0] * 40 + [1e-3] * 12)).to(dtype)
+    rounded = fp8.fake_quantize_groups(entry, widths)
+    packed = fp8.pack(rounded, widths)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 7, fp8.packed_bytes(widths)) == (3, 7, 60)
+    assert torch.equal(fp8.unpack(packed, widths, dtype), rounded)
+    # Each group has its own scale: the small index key is not flushed by the latent's range.
+    assert torch.all(rounded[..., 40:] != 0)
