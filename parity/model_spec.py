@@ -282,6 +282,12 @@ _LATER = (
 KV_A_LAYERNORM_EPS = 1e-6
 
 
+def hf_architecture(model_dir: str | Path) -> str:
+    """The architecture a checkpoint's config.json names ("" if none)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return (config.get("architectures") or [""])[0]
+
+
 def load_spec(model_dir: str | Path) -> ModelSpec | KimiSpec:
     """The spec of a model directory, dense (Llama / Qwen3) or a KDA/MLA hybrid (kimi-mini, kimi-linear)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())

@@ -26,9 +26,10 @@ import torch
 from parity import native
 from parity.compare import compare_logprobs
 from parity.dtypes import torch_dtype
+from parity.fp8 import check_kv_cache_dtype
 from parity.kernels import kernel_info
 from parity.lora import AdapterLayout
-from parity.model_spec import KimiSpec, load_spec
+from parity.model_spec import KimiSpec, hf_architecture, load_spec
 from parity.sampling import Sampling, request_key
 from rl.errors import UserError
 from trainer.backend import Adapter
@@ -73,6 +74,7 @@ class CheckArgs:
     max_turns: int = 3
     env_kwargs: dict = dataclasses.field(default_factory=dict)  # passed to the environment class
     prefix_caching: bool | None = None  # the --env engine's prefix cache; None: the engine's default
+    kv_cache_dtype: str = "auto"  # "fp8": Kimi's MLA cache entries in e4m3, on both sides
 
 
 def load_adapter(path: Path) -> Adapter:
@@ -137,6 +139,11 @@ def add_parity_commands(subparsers) -> None:
         "--cuda-graphs", choices=["on", "off"], default="off",
         help="on: vLLM's default mode (torch.compile and CUDA graphs where the model and backend"
         " allow them; GPU only); off: eager (default)",
+    )
+    check.add_argument(
+        "--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+        help="fp8: the Kimi architectures' MLA cache entries in e4m3 with a per-token scale, the"
+        " trainer rounding them the same way; auto: the model dtype (default)",
     )
     check.add_argument("--trainer", choices=["megatron", "deepspeed"], default="megatron",
                        help="trainer backend that re-scores: Megatron, or the HF model under DeepSpeed")
@@ -216,13 +223,18 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
                             " adapter before the capture yet (Llama and Qwen3 can); use --cuda-graphs off")
     if ns.parity == "off":
         _check_stock_engine(model)
+    kv_cache_dtype = getattr(ns, "kv_cache_dtype", "auto")
+    try:
+        check_kv_cache_dtype(kv_cache_dtype, hf_architecture(model) if ns.parity == "on" else None)
+    except ValueError as e:
+        raise UserError(f"--kv-cache-dtype: {e}") from None
     rollout_isa = getattr(ns, "rollout_isa", None)
     if rollout_isa is not None and rollout_isa not in native.cpu_isas():
         raise UserError(f"--rollout-isa {rollout_isa}: this CPU runs {', '.join(native.cpu_isas())}")
     trainer = getattr(ns, "trainer", "megatron")
-    if trainer == "deepspeed" and (ns.parity != "on" or trainer_tp > 1):
+    if trainer == "deepspeed" and (ns.parity != "on" or trainer_tp > 1 or kv_cache_dtype != "auto"):
         raise UserError("--trainer deepspeed re-scores with the HF parity model: it needs "
-                        "--parity on and --trainer-tp 1")
+                        "--parity on, --trainer-tp 1 and --kv-cache-dtype auto")
     env = getattr(ns, "env", None)
     env_kwargs = _check_env_flags(ns, env) if env is not None else {}
     report = Path(ns.report) if ns.report else None
@@ -236,6 +248,7 @@ def validate(ns: argparse.Namespace) -> CheckArgs:
         adapter=adapter, sampling=_sampling(ns), cuda_graphs=getattr(ns, "cuda_graphs", "off") == "on",
         trainer=trainer, zero_stage=getattr(ns, "zero_stage", 2),
         env=env, max_turns=getattr(ns, "max_turns", 3), env_kwargs=env_kwargs, rollout_isa=rollout_isa,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -442,6 +455,7 @@ def sample_in_vllm(
             tensor_parallel_size=args.rollout_tp,
             enforce_eager=not args.cuda_graphs,
             adapter_layout=_reserved_layout(args, adapter), isa=args.rollout_isa,
+            kv_cache_dtype=args.kv_cache_dtype,
         ) as engine:
             if adapter is not None:
                 tensors, lora_rank, alpha, _ = adapter
@@ -472,7 +486,7 @@ def rescore(
     setup = ScoreSetup(
         model_dir=args.model, dtype=args.dtype, parity=args.parity, seed=args.seed,
         sampling=args.sampling, adapter=adapter, tensor_parallel_size=args.trainer_tp,
-        zero_stage=args.zero_stage,
+        zero_stage=args.zero_stage, kv_cache_dtype=args.kv_cache_dtype,
     )
     return get_backend(args.trainer).score(setup, sequences, starts, progress)
 
@@ -516,6 +530,7 @@ def build_report(args: CheckArgs, samples: dict[int, list], completions: list,
         "adapter": str(args.adapter) if args.adapter else None,
         "sampling": dataclasses.asdict(args.sampling),
         "trainer": args.trainer,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "kernels": {"rollout": rollout["kernels"], "trainer": kernel_info()},
         "prefix_cache": rollout["prefix_cache"],
         **total.to_dict(),

@@ -507,6 +507,13 @@ def _check_model_fit(cfg: Config, sources: _Sources, model_dir: Path) -> None:
     if architectures[0] == "KimiMiniForCausalLM" and cfg.lora.enabled and not cfg.rollout.enforce_eager:
         raise err("rollout.enforce_eager", "is false with lora on kimi-mini: its parity model cannot "
                   "reserve the adapter before vLLM compiles and captures (Llama and Qwen3 can)")
+    if cfg.rollout.kv_cache_dtype != "auto":
+        from parity.fp8 import check_kv_cache_dtype
+
+        try:
+            check_kv_cache_dtype(cfg.rollout.kv_cache_dtype, architectures[0] if cfg.parity.enabled else None)
+        except ValueError as e:
+            raise err("rollout.kv_cache_dtype", str(e).removeprefix("kv_cache_dtype fp8: ")) from None
     if cfg.trainer.backend == "deepspeed":
         _check_deepspeed(cfg, sources, architectures[0])
 

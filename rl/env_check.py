@@ -48,7 +48,8 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
                        max_model_len=context, max_num_seqs=max(len(samples), 1),
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        tensor_parallel_size=args.rollout_tp,
-                       prefix_caching=getattr(args, "prefix_caching", None)) as engine:
+                       prefix_caching=getattr(args, "prefix_caching", None),
+                       kv_cache_dtype=args.kv_cache_dtype) as engine:
 
         def generate(prompts: list[list[int]], turn: int, stop: Stop | None) -> list[dict]:
             done = engine.generate(prompts, max_tokens=args.max_tokens, sampling=args.sampling, stop=stop)

@@ -183,7 +183,7 @@ class Run:
             .remote(
                 cfg.model.path, cfg.model.dtype, parity=cfg.parity.enabled, lora=cfg.lora,
                 trainer=cfg.trainer, algorithm=cfg.algorithm, seed=cfg.seed,
-                sampling=cfg.rollout.sampling(),
+                sampling=cfg.rollout.sampling(), kv_cache_dtype=cfg.rollout.kv_cache_dtype,
                 **({"rank": r, "rendezvous": os.path.join(self._rendezvous.name, "store")} if world > 1 else {}),
             )
             for r in range(world)
@@ -200,11 +200,13 @@ class Run:
                 max_num_batched_tokens=cfg.rollout.max_num_batched_tokens,
                 tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                 enforce_eager=cfg.rollout.enforce_eager, adapter_layout=_reserved_layout(cfg),
+                kv_cache_dtype=cfg.rollout.kv_cache_dtype,
             )
         )
         self.workers = [self._make_worker(i) for i in range(n)]
         ray.get(self.trainer.lora_scaling.remote())  # wait until the trainer is up (or raise)
         self.worker_nodes = [_node_of(w) for w in self.workers]
+        self.trainer_nodes = [_node_of(a) for a in ranks]
 
     def _max_model_len(self) -> int:
         from parity.model_spec import load_spec
@@ -263,16 +265,20 @@ class Run:
         self.worker_nodes[index] = _node_of(self.workers[index])
 
     def lost_nodes(self, wait_s: float) -> list[str]:
-        """"node <ip> (rollout worker i)" for each rollout worker whose node has left the
-        cluster. A killed node's raylet is declared dead by the GCS only after its health
-        checks fail (seconds later), so this polls for up to wait_s while every node looks alive."""
+        """"node <ip> (rollout worker i)" or "node <ip> (trainer rank r)" for each actor whose
+        node has left the cluster. A killed node's raylet is declared dead by the GCS only
+        after its health checks fail (seconds later), so this polls for up to wait_s while every
+        node looks alive."""
         import ray
 
+        placed = [(node, f"node {ip} (rollout worker {i})") for i, (node, ip) in enumerate(self.worker_nodes)]
+        placed += [(node, f"node {ip} (trainer rank {r})") for r, (node, ip) in enumerate(self.trainer_nodes)]
+        if all(node == ray.get_runtime_context().get_node_id() for node, _ in placed):
+            return []  # every actor is on the driver's node, which is alive: nothing to wait for
         end = time.monotonic() + wait_s
         while True:
             alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-            lost = [f"node {ip} (rollout worker {i})" for i, (node, ip) in enumerate(self.worker_nodes)
-                    if node not in alive]
+            lost = [what for node, what in placed if node not in alive]
             if lost or time.monotonic() >= end:
                 return lost
             time.sleep(1)
@@ -452,13 +458,16 @@ def train(cfg: Config, console=None) -> Path:
         if cfg.total_steps > start_step:
             save(loop.run, run_dir, cfg.total_steps, source, cfg)
     except ray.exceptions.RayActorError as e:
-        if not _alive(loop.run.trainer):
-            raise RunFailed(f"step {loop.step}: the trainer process died ({type(e).__name__}); "
-                            f"the step was not applied; {_last_checkpoint(run_dir)}") from None
+        trainer_alive = _alive(loop.run.trainer)
         try:
-            check_nodes(loop.run, e)
+            # A trainer that died with its node shows as a dead actor before the GCS declares
+            # the node dead: wait for that verdict then.
+            check_nodes(loop.run, e, patient=not trainer_alive)
         except NodeLost as lost:
             raise _node_lost(loop, lost) from None
+        if not trainer_alive:
+            raise RunFailed(f"step {loop.step}: the trainer process died ({type(e).__name__}); "
+                            f"the step was not applied; {_last_checkpoint(run_dir)}") from None
         raise
     except NodeLost as lost:  # found by generate_with_restart
         raise _node_lost(loop, lost) from None
@@ -829,8 +838,8 @@ def generate_with_restart(run: Run, prompts: list[list[int]], step: int, logs: L
 
 
 class NodeLost(Exception):
-    """A node that runs rollout workers left the Ray cluster: no restart can place them again
-    (their bundles wait for a node with the resource), so the run stops."""
+    """A node that runs rollout workers or trainer ranks left the Ray cluster: no restart can
+    place them again (their bundles wait for a node with the resource), so the run stops."""
 
 
 def _node_of(actor) -> tuple[str, str]:
@@ -841,13 +850,13 @@ def _node_of(actor) -> tuple[str, str]:
         lambda _: (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())))
 
 
-def check_nodes(run: Run, error: Exception) -> None:
-    """Raise NodeLost if a rollout worker's node is gone. ActorUnavailableError (the worker's
-    connection closed without a death notice) is how a node's loss shows first: wait for the
-    GCS's verdict then; other actor errors come after it."""
+def check_nodes(run: Run, error: Exception, patient: bool = False) -> None:
+    """Raise NodeLost if a rollout worker's or a trainer rank's node is gone.
+    ActorUnavailableError (the actor's connection closed without a death notice) is how a
+    node's loss shows first: wait for the GCS's verdict then, or when `patient`."""
     import ray
 
-    wait = 60.0 if isinstance(error, ray.exceptions.ActorUnavailableError) else 0.0
+    wait = 60.0 if patient or isinstance(error, ray.exceptions.ActorUnavailableError) else 0.0
     lost = run.lost_nodes(wait)
     if lost:
         raise NodeLost(f"{', '.join(lost)} left the Ray cluster ({type(error).__name__})")

@@ -142,6 +142,10 @@ def install(verbose_flag: bool = False) -> None:
 def setup_worker() -> None:
     """Ray's `worker_process_setup_hook`: the same filters in every Ray worker process (the
     driver's environment, KIMI_RL_VERBOSE included, reaches them through the runtime env)."""
+    # A worker on another node can inherit our VLLM_LOGGING_CONFIG_PATH, which names a file in
+    # the driver's temp dir: vLLM then refuses to start. Write the file on this node instead.
+    if Path(os.environ.get("VLLM_LOGGING_CONFIG_PATH", "")).name.startswith(_CONFIG_PREFIX):
+        del os.environ["VLLM_LOGGING_CONFIG_PATH"]
     install()
 
 
@@ -163,11 +167,14 @@ _VLLM_LOGGING_CONFIG = {
 }
 
 
+_CONFIG_PREFIX = "kimi-rl-vllm-logging-"
+
+
 def _write_vllm_logging_config() -> Path:
     """The config above in the system temp dir, named by its content (written once per user)."""
     text = json.dumps(_VLLM_LOGGING_CONFIG, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = Path(tempfile.gettempdir()) / f"kimi-rl-vllm-logging-{os.getuid()}-{digest}.json"
+    path = Path(tempfile.gettempdir()) / f"{_CONFIG_PREFIX}{os.getuid()}-{digest}.json"
     if not path.exists() or path.read_text() != text:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from parity.sampling import Sampling
 from parity.settings import setting
@@ -29,6 +30,10 @@ class RolloutConfig:
     # false: vLLM's default mode (torch.compile, and CUDA graphs on a GPU). A LoRA adapter is
     # then reserved at start and every sync copies into it (rollout/sync.py, reserve_adapter).
     enforce_eager: bool = True
+    # "fp8": the Kimi architectures keep their MLA cache entries (latent + RoPE key, index key)
+    # in e4m3 with a per-token scale (parity/fp8.py), and the trainer rounds them the same way.
+    # "auto": the model dtype.
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
 
     def sampling(self) -> Sampling:
         """The sampling parameters both sides use (ValueError for a temperature vLLM would

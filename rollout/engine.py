@@ -33,7 +33,6 @@ model holds, for the caller to compare with what it sent. They run on the worker
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from contextlib import contextmanager
@@ -44,10 +43,11 @@ import torch
 
 from parity import kernels, model_spec, native, weights
 from parity.dtypes import dtype_string, torch_dtype
+from parity.fp8 import KV_CACHE_DTYPE_KEY, check_kv_cache_dtype
 from parity.lora import AdapterLayout, adapter_shapes
 from parity.model_spec import KimiSpec, load_spec
 from parity.sampling import Sampling, request_key
-from parity.wire import Index, index_for, unpack_tensors
+from parity.wire import index_for, unpack_tensors
 from rollout.vllm_patches import (
     install_parity_sampler,
     keep_default_process_group,
@@ -83,8 +83,7 @@ class Stop:
 
 def parity_architecture(model_dir: str | Path) -> str:
     """The registered parity architecture for a checkpoint's HF architecture."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return model_spec.parity_architecture((config.get("architectures") or [""])[0])
+    return model_spec.parity_architecture(model_spec.hf_architecture(model_dir))
 
 
 @contextmanager
@@ -238,6 +237,7 @@ class RolloutEngine:
         prefix_caching: bool | None = None,
         adapter_layout: AdapterLayout | None = None,
         isa: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         torch_dtype(dtype)  # ValueError for an unknown name, before anything starts
         # The code path of the compiled kernels in the engine's processes, if not this one's
@@ -253,6 +253,8 @@ class RolloutEngine:
         self.parity = parity
         self.multiprocess = multiprocess
         self.spec = load_spec(self.model_dir) if parity else None
+        check_kv_cache_dtype(kv_cache_dtype, model_spec.hf_architecture(model_dir) if parity else None)
+        self.kv_cache_dtype = kv_cache_dtype
         if adapter_layout is not None:
             if isinstance(self.spec, KimiSpec):
                 raise ValueError("adapter_layout: the Kimi parity model cannot reserve an adapter yet")
@@ -297,6 +299,8 @@ class RolloutEngine:
             kwargs["hf_overrides"] = {"architectures": [parity_architecture(self.model_dir)]}
             if adapter_layout is not None:  # the model reserves it before any graph is captured
                 kwargs["hf_overrides"]["kimi_rl_adapter"] = adapter_layout.as_dict()
+            if kv_cache_dtype != "auto":  # the model builds its cache entries in that format
+                kwargs["hf_overrides"][KV_CACHE_DTYPE_KEY] = kv_cache_dtype
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         if tensor_parallel_size > 1:
@@ -482,12 +486,9 @@ class RolloutEngine:
                 f" scaling {self.adapter_layout.scaling} (fixed for the run)"
             )
 
-    def _require_reserved_index(self, index: Index) -> None:
-        if index != self._reserved_index:
-            raise ValueError(
-                f"this engine reserved a LoRA adapter of {len(self._reserved_index)} tensors"
-                f" ({self.adapter_layout}) and takes only that form; got {len(index)} tensors in another layout"
-            )
+    def _reserved_form_error(self, got: int) -> str:
+        return (f"this engine reserved a LoRA adapter of {len(self._reserved_index)} tensors"
+                f" ({self.adapter_layout}) and takes only that form; got {got} tensors in another layout")
 
     def set_adapter(self, tensors: Tensors, scaling: float) -> None:
         """Compute with a LoRA adapter from now on, replacing any previous one: `tensors` by
@@ -499,11 +500,10 @@ class RolloutEngine:
         # (across processes vLLM turns a worker's exception into a bare Exception) and sends
         # nothing that would be refused.
         check_adapter(self.spec, self.dtype, tensors, scaling)
-        if self.adapter_layout is not None:
-            self._require_reserved_index(index_for(
-                {n: tuple(tensors[n].shape) for n, *_ in self._reserved_index if n in tensors}
-                | {n: tuple(t.shape) for n, t in tensors.items()}, torch_dtype(self.dtype)
-            ))
+        if self.adapter_layout is not None:  # the dtype is checked above
+            reserved = {name: tuple(shape) for name, _, shape, *_ in self._reserved_index}
+            if {n: tuple(t.shape) for n, t in tensors.items()} != reserved:
+                raise ValueError(self._reserved_form_error(len(tensors)))
         self._rpc("kimi_rl_set_adapter", self._pack(tensors), float(scaling))
         self._reset_prefix_cache()
 
@@ -517,7 +517,8 @@ class RolloutEngine:
         self._require_capturable_adapter("set_adapter_packed", scaling)
         index = tuple(index)
         if self.adapter_layout is not None:
-            self._require_reserved_index(tuple((n, d, tuple(shape), o, b) for n, d, shape, o, b in index))
+            if tuple((n, d, tuple(shape), o, b) for n, d, shape, o, b in index) != self._reserved_index:
+                raise ValueError(self._reserved_form_error(len(index)))
         if index != getattr(self, "_checked_index", None):
             # As in set_adapter: refuse a bad adapter here, before the worker sees it (across
             # processes vLLM turns a worker's exception into a bare one). Once per layout.

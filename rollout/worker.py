@@ -32,6 +32,7 @@ class RolloutWorker:
         self, index: int, model_dir: str, *, dtype: str, parity: bool, seed: int,
         max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int | None,
         tensor_parallel_size: int = 1, enforce_eager: bool = True, adapter_layout: AdapterLayout | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         _set_threads()
         self.index = index
@@ -41,7 +42,7 @@ class RolloutWorker:
             model_dir, dtype=dtype, parity=parity, seed=seed, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             multiprocess=tensor_parallel_size > 1, tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager, adapter_layout=adapter_layout,
+            enforce_eager=enforce_eager, adapter_layout=adapter_layout, kv_cache_dtype=kv_cache_dtype,
         )
 
     def generate(

@@ -29,6 +29,10 @@ SUBNET = "10.77.0"
 HOME = "/tmp/home"  # inside each host's private /tmp
 VENV_BIN = Path(sys.executable).parent
 RAY_PORT = 6379
+# The GCS declares a silent node dead after about 3 s instead of Ray's default ~15-30 s: the
+# node-loss tests wait for that verdict.
+FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+                      "RAY_health_check_failure_threshold": "3"}
 
 
 class Unavailable(RuntimeError):
@@ -195,4 +199,4 @@ def _ray_start(host: Host, args: list[str], num_cpus: int) -> None:
     resource = "host_" + host.name[-1]
     host.run(["ray", "start", *args, f"--node-ip-address={host.address}", f"--num-cpus={num_cpus}",
               f"--resources={json.dumps({resource: 1})}", "--disable-usage-stats"],
-             timeout=180, RAY_AUTH_MODE="token")
+             timeout=180, RAY_AUTH_MODE="token", **FAST_HEALTH_CHECKS)

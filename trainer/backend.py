@@ -52,6 +52,7 @@ class ScoreSetup:
     adapter: Adapter | None = None  # attached on every rank
     tensor_parallel_size: int = 1  # megatron: that many spawned ranks (gloo)
     zero_stage: int = 2  # deepspeed: the engine's ZeRO stage
+    kv_cache_dtype: str = "auto"  # the rollout's cache format (megatron: Kimi's FP8 MLA entries)
 
 
 class TrainerWorker(Protocol):

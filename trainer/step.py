@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,12 +194,32 @@ class PolicyStep(ABC):
         """Critic values V(seq[:start + t]) for each response token t, float32 [len - start]."""
         if self.value_head is None:
             raise ValueError("values() needs the critic, which only algorithm.name ppo has")
+        return self._score_shares(self._values, sequences, starts)
+
+    def _values(self, sequences: list[list[int]], starts: list[int]) -> list[Tensor]:
         out = []
         for rows in chunks(list(range(len(sequences))), self.config.micro_batch_size):
             mb = micro_batch(sequences, starts, rows)
             v = self._critic_forward(mb)
             out += [v[j, :n].clone() for j, n in enumerate(mb.lengths)]
         return out
+
+    def _score_shares(self, score: Callable[[list[list[int]], list[int]], list[Tensor]],
+                      sequences: list[list[int]], starts: list[int]) -> list[Tensor]:
+        """`score` over the data-parallel ranks: each scores its share of the sequences
+        (rank_share) and the rows are gathered in rank order, a copy. With parity on, a row's
+        scores do not depend on the rows beside it, so the bits are those of one rank scoring
+        all of them."""
+        rank, size = self._data_parallel()
+        if size == 1:
+            return score(sequences, starts)
+        rows = list(range(len(sequences)))
+        counts = [len(rank_share(rows, r, size)) for r in range(size)]
+        mine = rank_share(rows, rank, size)
+        local = score([sequences[i] for i in mine], [starts[i] for i in mine]) if mine else []
+        lengths = [len(seq) - start for seq, start in zip(sequences, starts, strict=True)]
+        gathered = self._gather_rows(pad(local, max(lengths)), counts)
+        return [gathered[i, :n].clone() for i, n in enumerate(lengths)]
 
     # --- training -------------------------------------------------------------------------
 

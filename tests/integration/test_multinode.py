@@ -184,13 +184,10 @@ def test_a_resource_no_node_has_is_a_one_line_error(cluster: Cluster):
             "the resource 'host_c' (its custom resources: host_a, host_b)") in output, output[-3000:]
 
 
-def test_rollout_node_killed_then_resume_on_a_rejoined_node(cluster: Cluster, straight):
-    """Host b's raylet killed (by pid) once step 1's checkpoint exists: the run stops with a
-    line naming the node and the checkpoint to resume from; host b joins again and
-    `--resume` ends with the straight run's metrics and adapter, bitwise. Runs last: it
-    leaves host b re-joined under a new node id."""
-    run_dir = cluster.tmp / "killed"
-    proc, log = _start_train(cluster, run_dir, *PLACED)
+def _kill_host_b_after_a_checkpoint(cluster: Cluster, run_dir: Path, *args: str) -> str:
+    """Start a run, kill host b's raylet (by pid) once step 1's checkpoint exists, and return
+    the console output of the run, which must exit 1."""
+    proc, log = _start_train(cluster, run_dir, *args)
     deadline = time.monotonic() + 300
     while not (run_dir / "checkpoints" / "latest").exists():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -199,14 +196,43 @@ def test_rollout_node_killed_then_resume_on_a_rejoined_node(cluster: Cluster, st
     assert len(raylets) == 1, raylets
     os.kill(raylets[0], signal.SIGKILL)
     assert proc.wait(timeout=240) == 1, log.read_text()[-3000:]
-    output = log.read_text()
-    here = re.escape(str(run_dir))
-    assert re.search(r"kimi-rl: error: step [23]: node 10\.77\.0\.2 \(rollout worker 0\) left the Ray cluster "
-                     rf"\(\w+\); the step was not applied; the last checkpoint is {here}/checkpoints/step_00000[12]: "
-                     rf"continue with --resume {here}\n", output), output[-3000:]
+    return log.read_text()
 
+
+def _stop_line(run_dir: Path, who: str) -> str:
+    here = re.escape(str(run_dir))
+    return (rf"kimi-rl: error: step [23]: node 10\.77\.0\.2 \({who}\) left the Ray cluster "
+            rf"\(\w+\); the step was not applied; the last checkpoint is {here}/checkpoints/step_00000[12]: "
+            rf"continue with --resume {here}\n")
+
+
+def _rejoin_host_b(cluster: Cluster) -> None:
     kill_namespace(cluster.b.name, keep=cluster.b.holder.pid)  # what was left of the node
     join_ray_cluster(cluster.b, cluster.address)
+
+
+def test_trainer_node_killed_stops_the_run_naming_the_node(cluster: Cluster, straight):
+    """The trainer on host b, the rollout on host a: host b's raylet killed after step 1's
+    checkpoint stops the run with a line naming the node and the trainer rank; the checkpoint
+    it names loads. Host b joins again for the next test."""
+    run_dir = cluster.tmp / "trainer-killed"
+    output = _kill_host_b_after_a_checkpoint(cluster, run_dir, "ray.placement.rollout=host_a",
+                                             "ray.placement.trainer=host_b")
+    assert re.search(_stop_line(run_dir, "trainer rank 0"), output), output[-3000:]
+    assert _adapter(run_dir)  # the checkpoint the line names is whole
+    _rejoin_host_b(cluster)
+
+
+def test_rollout_node_killed_then_resume_on_a_rejoined_node(cluster: Cluster, straight):
+    """Host b's raylet killed (by pid) once step 1's checkpoint exists: the run stops with a
+    line naming the node and the checkpoint to resume from; host b joins again and
+    `--resume` ends with the straight run's metrics and adapter, bitwise. Runs last: it
+    leaves host b re-joined under a new node id."""
+    run_dir = cluster.tmp / "killed"
+    output = _kill_host_b_after_a_checkpoint(cluster, run_dir, *PLACED)
+    assert re.search(_stop_line(run_dir, "rollout worker 0"), output), output[-3000:]
+
+    _rejoin_host_b(cluster)
     rc, output = _train(cluster, run_dir, *PLACED, "--resume", str(run_dir))
     assert rc == 0, output[-3000:]
     straight_dir = straight[0]

@@ -329,7 +329,8 @@ def test_config_error_is_a_user_error() -> None:
 # --- env: and the multi-turn budgets ---------------------------------------------------------
 
 
-@pytest.mark.parametrize(("body", "line", "phrase"), [
+# Errors of keys that depend on other keys: the message names the key and its line.
+_ENV_ERRORS = [
     ("rollout:\n  max_turns: 3\n", 5, "rollout.max_turns: is 3, but no env.name is set"),
     ("env:\n  name: tool\n", 5, "env.name: expected one of tools, probe or module:attr, got 'tool'"),
     ("env:\n  name: tools\n  kwargs: {tools: [calc]}\n", 6, "env.kwargs: unknown tool 'calc'"),
@@ -338,18 +339,8 @@ def test_config_error_is_a_user_error() -> None:
     ("env:\n  kwargs: {a: 1}\n", 5, "env.kwargs: set, but no env.name is set"),
     ("env:\n  name: tools\nrollout:\n  max_tokens: 64\n  max_trajectory_tokens: 32\n", 8,
      "rollout.max_trajectory_tokens: is 32, below rollout.max_tokens 64"),
-])
-def test_env_errors_name_the_key_and_line(write, body: str, line: int, phrase: str) -> None:
-    path = write(body)
-    message = error(path)
-    assert message.startswith(f"{path}:{line}: "), message
-    assert phrase in message, message
-
-
-# --- trainer.data_parallel_size / deterministic_layout -------------------------------------
-
-
-@pytest.mark.parametrize(("body", "line", "phrase"), [
+]
+_DATA_PARALLEL_ERRORS = [
     ("trainer:\n  data_parallel_size: 2\n", 5,
      "trainer.data_parallel_size: is 2: it needs trainer.deterministic_layout: true"),
     ("trainer:\n  data_parallel_size: 0\n", 5, "trainer.data_parallel_size: must be >= 1"),
@@ -360,8 +351,11 @@ def test_env_errors_name_the_key_and_line(write, body: str, line: int, phrase: s
     ("data:\n  prompts_per_step: 2\nrollout:\n  samples_per_prompt: 2\n"
      "trainer:\n  data_parallel_size: 8\n  deterministic_layout: true\n", 9,
      "trainer.data_parallel_size: is 8, but a minibatch has 4 sequences"),
-])
-def test_data_parallel_errors_name_the_key_and_line(write, body: str, line: int, phrase: str) -> None:
+]
+
+
+@pytest.mark.parametrize(("body", "line", "phrase"), _ENV_ERRORS + _DATA_PARALLEL_ERRORS)
+def test_dependent_key_errors_name_the_key_and_line(write, body: str, line: int, phrase: str) -> None:
     path = write(body)
     message = error(path)
     assert message.startswith(f"{path}:{line}: "), message
@@ -409,3 +403,10 @@ def test_placement_defaults_and_keys(write) -> None:
     cfg = load_config(write(), ["ray.address=10.0.0.1:6379", "ray.placement.rollout=host_b"])
     assert (cfg.ray.placement.rollout, cfg.ray.placement.trainer) == ("host_b", None)
     assert load_config(write()).ray.placement.rollout is None
+
+
+def test_fp8_cache_on_a_dense_model_is_refused_naming_the_key(write) -> None:
+    path = write("rollout:\n  kv_cache_dtype: fp8\n")
+    message = error(path)
+    assert message.startswith(f"{path}:5: rollout.kv_cache_dtype: "), message
+    assert "only the Kimi architectures' MLA caches keep FP8 entries" in message, message

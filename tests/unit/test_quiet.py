@@ -123,3 +123,21 @@ def test_verbose_hides_nothing(how):
     done = _probe("--verbose") if how == "flag" else _probe(KIMI_RL_VERBOSE="1")
     assert "reduce_op" in done.stderr and "Enforce eager set" in done.stderr
     assert done.stdout.strip() == "|||1"
+
+
+@pytest.mark.parametrize("inherited", ["ours", "users"])
+def test_ray_worker_on_another_node_writes_its_own_vllm_logging_config(tmp_path, inherited):
+    # The driver's path names a file on the driver's host; a user's own path is left alone.
+    name = "kimi-rl-vllm-logging-0-0123456789abcdef.json" if inherited == "ours" else "mine.json"
+    driver_path = str(tmp_path / "driver-host" / name)
+    (tmp_path / "here").mkdir()
+    probe = "import os; from rl import quiet; quiet.setup_worker(); print(os.environ['VLLM_LOGGING_CONFIG_PATH'])"
+    clean = {k: v for k, v in os.environ.items() if k not in ("KIMI_RL_VERBOSE", "VLLM_CONFIGURE_LOGGING")}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=True, env={**clean, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path / "here"),
+                                           "VLLM_LOGGING_CONFIG_PATH": driver_path})
+    path = Path(done.stdout.strip())
+    if inherited == "ours":
+        assert path.parent == tmp_path / "here" and path.is_file()
+    else:
+        assert str(path) == driver_path

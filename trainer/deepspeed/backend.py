@@ -29,9 +29,9 @@ class DeepSpeedBackend(Backend):
     ) -> list[Tensor]:
         """One rank (gloo; DeepSpeed adopts a process group that is already up), the HF parity
         model under ZeRO stage setup.zero_stage. `progress` is told once, at the end."""
-        if not setup.parity or setup.tensor_parallel_size > 1:
+        if not setup.parity or setup.tensor_parallel_size > 1 or setup.kv_cache_dtype != "auto":
             raise ValueError("the deepspeed backend scores with the HF parity model: it needs "
-                             "parity on and tensor-parallel size 1")
+                             "parity on, tensor-parallel size 1 and the model dtype's cache")
         from trainer.deepspeed.engine import init_distributed, scoring_model
         from trainer.deepspeed.model import sequence_logprobs
         from trainer.distributed import free_port

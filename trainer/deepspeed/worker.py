@@ -86,7 +86,7 @@ class DeepSpeedTrainerWorker:
     def __init__(
         self, model_path: str, dtype: str, *, parity: bool, lora: LoraConfig,
         trainer: TrainerConfig, algorithm: AlgorithmConfig, seed: int,
-        sampling: Sampling | None = None,
+        sampling: Sampling | None = None, kv_cache_dtype: str = "auto",
     ) -> None:
         import torch.multiprocessing as mp
 
@@ -94,6 +94,9 @@ class DeepSpeedTrainerWorker:
 
         if not parity:
             raise ValueError("trainer.backend deepspeed trains the HF parity model: parity must be on")
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"trainer.backend deepspeed: kv_cache_dtype {kv_cache_dtype} is for the Kimi "
+                             "architectures, which train on megatron")
         self.lora = lora
         kwargs = dict(model_dir=model_path, dtype=dtype, lora=lora, trainer=trainer,
                       algorithm=algorithm, seed=seed, sampling=sampling,

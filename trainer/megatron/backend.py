@@ -41,7 +41,8 @@ def _scoring_model(setup: ScoreSetup, tp_size: int = 1) -> torch.nn.Module:
     from trainer.megatron.lora import apply_lora, load_peft_state_dict
     from trainer.megatron.model import load_model
 
-    model = load_model(setup.model_dir, setup.dtype, parity=setup.parity, tp_size=tp_size).eval()
+    model = load_model(setup.model_dir, setup.dtype, parity=setup.parity, tp_size=tp_size,
+                       kv_cache_dtype=setup.kv_cache_dtype).eval()
     if setup.adapter is not None:
         tensors, lora_rank, alpha, targets = setup.adapter
         apply_lora(model, load_spec(setup.model_dir), lora_rank, alpha, list(targets))

@@ -144,7 +144,7 @@ def load_hf_weights(model: GPTModel, model_dir: str | Path, spec: ModelSpec | Ki
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "fp32", parity: bool = True, tp_size: int = 1
+    model_dir: str | Path, dtype: str = "fp32", parity: bool = True, tp_size: int = 1, kv_cache_dtype: str = "auto",
 ) -> GPTModel:
     """Megatron GPTModel with the checkpoint's weights (call trainer.megatron.patches.init_megatron first,
     with the same tp_size; with tp_size > 1 each rank holds its shards, parity/tp.py).

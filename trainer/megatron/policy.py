@@ -88,10 +88,12 @@ class PolicyTrainer(PolicyStep):
         algorithm: AlgorithmConfig | None = None,
         seed: int = 0,
         sampling: Sampling | None = None,
+        kv_cache_dtype: str = "auto",  # the rollout's cache format, whose rounding the model repeats
     ):
         self._settings(model_dir, dtype, parity, lora, trainer, algorithm, sampling)
         self._dp = _data_parallel_rank(self.config.data_parallel_size)
-        self.model = load_model(model_dir, dtype, parity, tp_size=self.config.tensor_parallel_size)
+        self.model = load_model(model_dir, dtype, parity, tp_size=self.config.tensor_parallel_size,
+                                kv_cache_dtype=kv_cache_dtype)
         targets = list(self.lora_config.target_modules)
         rank, alpha = self.lora_config.rank, self.lora_config.alpha
         if self.lora_config.enabled:
@@ -101,7 +103,8 @@ class PolicyTrainer(PolicyStep):
         else:
             policy = list(self.model.named_parameters())
             needs_base = self.algorithm.kl_coef > 0 or self.algorithm.name == "ppo"
-            self.frozen = load_model(model_dir, dtype, parity).requires_grad_(False) if needs_base else None
+            self.frozen = (load_model(model_dir, dtype, parity, kv_cache_dtype=kv_cache_dtype).requires_grad_(False)
+                           if needs_base else None)
         self._policy = [(n, p, _fp32_master(p)) for n, p in policy]
 
         self.value_head: torch.nn.Linear | None = None
@@ -151,7 +154,9 @@ class PolicyTrainer(PolicyStep):
         sampled distribution (vLLM's processed log-probs), or of the raw softmax with `raw`
         (what vLLM's teacher-forced prompt log-probs are)."""
         sampling = None if raw else self.sampling
-        return sequence_logprobs(self.model, sequences, starts, self.config.micro_batch_size, sampling)
+        return self._score_shares(
+            lambda seqs, st: sequence_logprobs(self.model, seqs, st, self.config.micro_batch_size, sampling),
+            sequences, starts)
 
     @torch.no_grad()
     def ref_logprobs(self, sequences: list[list[int]], starts: list[int]) -> list[Tensor]:
@@ -160,8 +165,12 @@ class PolicyTrainer(PolicyStep):
             raise ValueError("no reference policy: a full fine-tune keeps a frozen base copy "
                              "only when algorithm.kl_coef > 0 or algorithm.name is ppo")
         tempered = Sampling(temperature=self.sampling.temperature)
-        with lora_lib.adapters_disabled(self.frozen):
-            return sequence_logprobs(self.frozen, sequences, starts, self.config.micro_batch_size, tempered)
+
+        def score(seqs: list[list[int]], st: list[int]) -> list[Tensor]:
+            with lora_lib.adapters_disabled(self.frozen):
+                return sequence_logprobs(self.frozen, seqs, st, self.config.micro_batch_size, tempered)
+
+        return self._score_shares(score, sequences, starts)
 
     def _policy_forward(self, mb: Micro) -> tuple[Tensor, Tensor]:
         """(log-probs [B, T] of the response tokens, logits [B, W - 1, V] of the sampled

@@ -25,6 +25,7 @@ class TrainerWorker:
         self, model_path: str, dtype: str, *, parity: bool, lora: LoraConfig,
         trainer: TrainerConfig, algorithm: AlgorithmConfig, seed: int,
         sampling: Sampling | None = None, rank: int = 0, rendezvous: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         from trainer.megatron.patches import init_megatron
         from trainer.megatron.policy import PolicyTrainer
@@ -44,7 +45,7 @@ class TrainerWorker:
         self.lora = lora
         self.policy = PolicyTrainer(
             model_path, dtype, parity=parity, lora=lora, trainer=trainer, algorithm=algorithm,
-            seed=seed, sampling=sampling,
+            seed=seed, sampling=sampling, kv_cache_dtype=kv_cache_dtype,
         )
 
     def rollout_tensors(self) -> dict[str, torch.Tensor]:
