@@ -23,13 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from parity.model_spec import KIMI_ARCHITECTURE
-
-# The cache formats a run can ask for (rollout.kv_cache_dtype, --kv-cache-dtype): "auto" keeps
-# the model dtype. Both engines read the choice from this config key (the rollout's through
-# vLLM's hf_overrides, the trainer's as load_model's argument).
-KV_CACHE_DTYPES = ("auto", "fp8")
-KV_CACHE_DTYPE_KEY = "kimi_rl_kv_cache_dtype"
 E4M3_MAX = 448.0
 NAN_CODE = 0x7F
 SCALE_BYTES = 4  # one fp32 scale per token and cache entry
@@ -152,15 +145,3 @@ def unpack(packed: torch.Tensor, widths: tuple[int, ...], dtype: torch.dtype) ->
         out.append(dequantize(codes, scale, dtype))
         offset += width + SCALE_BYTES
     return torch.cat(out, dim=-1)
-
-
-def check_kv_cache_dtype(name: str, architecture: str | None) -> None:
-    """ValueError unless `name` is a cache format the model of HF `architecture` (None: parity
-    off) can keep: FP8 entries exist for the Kimi architectures' MLA caches, in the parity
-    model only."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-    if name == "fp8" and architecture != KIMI_ARCHITECTURE:
-        what = "stock vLLM (parity off)" if architecture is None else f"{architecture}'s attention cache"
-        raise ValueError(f"kv_cache_dtype fp8: only the Kimi architectures' MLA caches keep FP8 entries "
-                         f"(with the parity model); {what} stays in the model dtype")

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from parity import kernels
+from parity import fp8, kernels
 from parity.kernels import KV_BLOCK, bmm, exp, row_sum, rsqrt, sigmoid, silu, softplus
 from parity.model_spec import KimiSpec
 
@@ -174,11 +174,19 @@ def kda_mixer(
 # --- MLA + indexer --------------------------------------------------------------------------------
 
 
+def _cached(spec: KimiSpec, entry: torch.Tensor) -> torch.Tensor:
+    """A cache entry as a reader of the cache sees it: with an FP8 cache, each part rounded
+    to e4m3 under its own per-token scale (the rollout stores exactly these values; the
+    trainer attends over them too)."""
+    return fp8.fake_quantize_groups(entry, spec.mla_cache_parts) if spec.kv_cache_dtype == "fp8" else entry
+
+
 def mla_entries(
     m, spec: KimiSpec, h: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per-token MLA inputs: (q [N, Hm, dn+dr] with RoPE on its last dr, cache entry
-    [N, mla_cache_width] = [RMS-normed latent; RoPE key; index key] in h's dtype, index
+    [N, mla_cache_width] = [RMS-normed latent; RoPE key; index key] in h's dtype, as the cache
+    keeps it (rounded to FP8 with spec.kv_cache_dtype "fp8"), index
     queries [N, hI, dI] fp32, index head weights [N, hI] fp32). With `mla_use_nope` the last
     dr of q and the shared key stay unrotated; without an indexer the entry ends at the key
     and the index outputs are None."""
@@ -193,8 +201,8 @@ def mla_entries(
         q = torch.cat([q[..., :dn], kernels.apply_rope(q[..., dn:], positions, table)], dim=-1)
         k_pe = kernels.apply_rope(k_pe.reshape(n, 1, dr), positions, table).view(n, dr)
     if not spec.has_indexer:
-        return q, torch.cat([latent.to(h.dtype), k_pe], dim=-1), None, None
-    entry = torch.cat([latent.to(h.dtype), k_pe, m.indexer.wk(h)], dim=-1)
+        return q, _cached(spec, torch.cat([latent.to(h.dtype), k_pe], dim=-1)), None, None
+    entry = _cached(spec, torch.cat([latent.to(h.dtype), k_pe, m.indexer.wk(h)], dim=-1))
     index_q = m.indexer.wq(h).view(n, spec.index_n_heads, spec.index_head_dim).float()
     index_w = m.indexer.weights_proj(h).float()
     return q, entry, index_q, index_w

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from parity import fp8
 
 # The one architecture registry: the name users type (`--arch`) -> the HF architecture that
 # config.json names. Everything else (the spec class, vLLM's parity model, the trainer's GPT
@@ -19,6 +22,12 @@ KIMI_LINEAR_ARCHITECTURE = ARCHITECTURES["kimi-linear"]
 KIMI_FORMATS = {KIMI_ARCHITECTURE: "kimi_mini", KIMI_LINEAR_ARCHITECTURE: "kimi_linear"}
 # The dense architectures ModelSpec describes, HF name -> ModelSpec.arch.
 SUPPORTED_ARCHITECTURES = {hf: name for name, hf in ARCHITECTURES.items() if hf not in KIMI_FORMATS}
+# The cache formats a run can ask for (rollout.kv_cache_dtype, --kv-cache-dtype): "auto" keeps
+# the model dtype, "fp8" keeps the Kimi MLA entries in e4m3 (parity/fp8.py). Both engines read
+# the choice from this config key (the rollout's through vLLM's hf_overrides; the trainer's
+# load_model sets it on the spec).
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPE_KEY = "kimi_rl_kv_cache_dtype"
 
 
 def parity_architecture(hf_architecture: str) -> str:
@@ -135,6 +144,9 @@ class KimiSpec:
     moe_renormalize: bool = True
     num_expert_group: int = 1  # grouped top-k: keep the topk_group best groups (top-2 sums)
     topk_group: int = 1
+    # Not a checkpoint field: the run's MLA cache format ("auto": the model dtype; "fp8": e4m3
+    # with a per-token scale per entry part, parity/fp8.py), set from KV_CACHE_DTYPE_KEY.
+    kv_cache_dtype: str = "auto"
 
     arch = "kimi_mini"
 
@@ -172,6 +184,24 @@ class KimiSpec:
         return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
 
     @property
+    def mla_cache_parts(self) -> tuple[int, ...]:
+        """The widths of an MLA cache entry's parts, one FP8 scale each: latent + RoPE key, and
+        the index key."""
+        first = self.kv_lora_rank + self.qk_rope_head_dim
+        return (first, self.index_head_dim) if self.has_indexer else (first,)
+
+    def mla_slot_width(self, itemsize: int) -> int:
+        """Elements of the model dtype (`itemsize` bytes) one token's cache slot holds: the
+        entry itself, or its packed FP8 bytes rounded up to a multiple of 4 elements (the
+        rollout splits a slot into key / value halves, and vLLM wants their width even).
+        kimi-linear keeps the entry's width with FP8 too: vLLM sizes a kimi_linear model's
+        cache pages as an MLA latent in the model dtype (from kv_lora_rank + qk_rope_head_dim,
+        which the config cannot restate), so its FP8 entries fill part of a slot."""
+        if self.kv_cache_dtype != "fp8" or self.is_linear:
+            return self.mla_cache_width
+        return 4 * math.ceil(fp8.packed_bytes(self.mla_cache_parts) / (4 * itemsize))
+
+    @property
     def kda_conv_channels(self) -> int:
         return 3 * self.kda_num_heads * self.kda_head_dim
 
@@ -189,7 +219,8 @@ class KimiSpec:
                 f"layer_types must list {config['num_hidden_layers']} of {LAYER_TYPES}, got {layer_types}"
             )
         fields = {f: config[f] for f in cls.__dataclass_fields__ if f not in ("layer_types",) and f not in _LATER}
-        return cls(layer_types=layer_types, **fields).validated()
+        return cls(layer_types=layer_types, kv_cache_dtype=config.get(KV_CACHE_DTYPE_KEY, "auto"),
+                   **fields).validated()
 
     @classmethod
     def _from_kimi_linear(cls, config: dict) -> KimiSpec:
@@ -246,6 +277,7 @@ class KimiSpec:
             moe_renormalize=bool(config.get("moe_renormalize", True)),
             num_expert_group=config.get("num_expert_group", 1),
             topk_group=config.get("topk_group", 1),
+            kv_cache_dtype=config.get(KV_CACHE_DTYPE_KEY, "auto"),
         )
         if spec.first_k_dense_replace and spec.intermediate_size < 1:
             raise ValueError("intermediate_size must be >= 1 when first_k_dense_replace > 0")
@@ -259,6 +291,8 @@ class KimiSpec:
 
     def validated(self) -> KimiSpec:
         """self, or ValueError naming the field that cannot hold."""
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{KV_CACHE_DTYPE_KEY} must be one of {', '.join(KV_CACHE_DTYPES)}")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError("num_experts_per_tok must be in 1..n_routed_experts")
         if self.index_topk < (1 if self.hf_format == "kimi_mini" else 0):
@@ -277,9 +311,21 @@ class KimiSpec:
 # The fields kimi-mini's config.json does not carry (their defaults are kimi-mini's behaviour).
 _LATER = (
     "hf_format", "mla_use_nope", "kv_norm_eps", "first_k_dense_replace", "intermediate_size",
-    "routed_scaling_factor", "moe_renormalize", "num_expert_group", "topk_group",
+    "routed_scaling_factor", "moe_renormalize", "num_expert_group", "topk_group", "kv_cache_dtype",
 )
 KV_A_LAYERNORM_EPS = 1e-6
+
+
+def check_kv_cache_dtype(name: str, architecture: str | None) -> None:
+    """ValueError unless `name` is a cache format the model of HF `architecture` (None: parity
+    off) can keep: FP8 entries exist for the Kimi architectures' MLA caches, in the parity
+    model only."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    if name == "fp8" and architecture not in KIMI_FORMATS:
+        what = "stock vLLM (parity off)" if architecture is None else f"{architecture}'s attention cache"
+        raise ValueError(f"kv_cache_dtype fp8: only the Kimi architectures' MLA caches keep FP8 entries "
+                         f"(with the parity model); {what} stays in the model dtype")
 
 
 def hf_architecture(model_dir: str | Path) -> str:

@@ -26,10 +26,9 @@ import torch
 from parity import native
 from parity.compare import compare_logprobs
 from parity.dtypes import torch_dtype
-from parity.fp8 import check_kv_cache_dtype
 from parity.kernels import kernel_info
 from parity.lora import AdapterLayout
-from parity.model_spec import KimiSpec, hf_architecture, load_spec
+from parity.model_spec import KimiSpec, check_kv_cache_dtype, hf_architecture, load_spec
 from parity.sampling import Sampling, request_key
 from rl.errors import UserError
 from trainer.backend import Adapter

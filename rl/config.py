@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
+from parity.model_spec import KIMI_FORMATS
 from parity.settings import setting
 from rl.errors import UserError
 from rollout.config import RolloutConfig
@@ -482,10 +483,11 @@ def _check_model_fit(cfg: Config, sources: _Sources, model_dir: Path) -> None:
         architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or [""]
     except (OSError, ValueError, AttributeError):
         architectures = [""]  # validate_model_dir reports a broken config.json with its line
-    if architectures[0] == "KimiMiniForCausalLM":
+    kimi = architectures[0] in KIMI_FORMATS
+    if kimi:
         if not cfg.parity.enabled:
-            raise err("parity.enabled", "must be true for kimi-mini: its KDA / MLA / MoE layers exist only "
-                      "as parity implementations (there is no stock vLLM / Megatron version)")
+            raise err("parity.enabled", f"must be true for {architectures[0]}: its KDA / MLA / MoE layers exist "
+                      "here only as parity implementations (there is no stock vLLM-CPU / Megatron version)")
     elif not cfg.parity.enabled:
         from parity.model_spec import load_spec
         from rollout.engine import check_stock_engine
@@ -499,16 +501,16 @@ def _check_model_fit(cfg: Config, sources: _Sources, model_dir: Path) -> None:
                 check_stock_engine(spec)
         except ValueError as e:
             raise err("parity.enabled", f"is false, but stock vLLM cannot run {model_dir}: {e}") from None
-    if architectures[0] != "KimiMiniForCausalLM" and cfg.lora.enabled:
+    if not kimi and cfg.lora.enabled:
         for module in cfg.lora.target_modules:
             if module in KIMI_ONLY_LORA_MODULES:
-                raise err("lora.target_modules", f"{module!r} exists in kimi-mini's MLA layers only, "
+                raise err("lora.target_modules", f"{module!r} exists in the Kimi architectures' layers only, "
                           f"not in {architectures[0]}")
-    if architectures[0] == "KimiMiniForCausalLM" and cfg.lora.enabled and not cfg.rollout.enforce_eager:
-        raise err("rollout.enforce_eager", "is false with lora on kimi-mini: its parity model cannot "
+    if kimi and cfg.lora.enabled and not cfg.rollout.enforce_eager:
+        raise err("rollout.enforce_eager", f"is false with lora on {architectures[0]}: its parity model cannot "
                   "reserve the adapter before vLLM compiles and captures (Llama and Qwen3 can)")
     if cfg.rollout.kv_cache_dtype != "auto":
-        from parity.fp8 import check_kv_cache_dtype
+        from parity.model_spec import check_kv_cache_dtype
 
         try:
             check_kv_cache_dtype(cfg.rollout.kv_cache_dtype, architectures[0] if cfg.parity.enabled else None)
@@ -568,9 +570,9 @@ def _check_deepspeed(cfg: Config, sources: _Sources, architecture: str) -> None:
     from trainer.backend import get_backend
 
     err, ds = sources.error, cfg.trainer.deepspeed
-    if architecture == "KimiMiniForCausalLM":
-        raise err("trainer.backend", "deepspeed trains HF transformers models (Llama, Qwen3); "
-                  "kimi-mini has none: use trainer.backend megatron")
+    if architecture in KIMI_FORMATS:
+        raise err("trainer.backend", "deepspeed trains the HF parity models (Llama, Qwen3); "
+                  f"{architecture} has none here: use trainer.backend megatron")
     if not cfg.parity.enabled:
         raise err("trainer.backend", "deepspeed trains the HF parity model only: it needs "
                   "parity.enabled: true")

@@ -65,6 +65,7 @@ def preflight(cfg: Config) -> Preflight:
     """Fail on bad input before any work starts: model, data, reward function, hooks."""
     from transformers import AutoTokenizer
 
+    from parity.hf_config import register_hf_config
     from rl.config import resolve_callable
     from rl.data import build_samples
     from rl.models import validate_model_dir
@@ -83,6 +84,7 @@ def preflight(cfg: Config) -> Preflight:
         cfg.data.source, path=cfg.data.path, task=cfg.data.task, task_kwargs=cfg.data.task_kwargs,
         size=cfg.data.size, seed=cfg.seed,
     )
+    register_hf_config()  # kimi-mini's config.json names a model type transformers lacks
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     return Preflight(tokenizer, samples, reward_fn, issues, _env_class(cfg, tokenizer, reward_fn))
 

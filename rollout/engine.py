@@ -33,6 +33,7 @@ model holds, for the caller to compare with what it sent. They run on the worker
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from contextlib import contextmanager
@@ -43,9 +44,8 @@ import torch
 
 from parity import kernels, model_spec, native, weights
 from parity.dtypes import dtype_string, torch_dtype
-from parity.fp8 import KV_CACHE_DTYPE_KEY, check_kv_cache_dtype
 from parity.lora import AdapterLayout, adapter_shapes
-from parity.model_spec import KimiSpec, load_spec
+from parity.model_spec import KV_CACHE_DTYPE_KEY, KimiSpec, check_kv_cache_dtype, load_spec
 from parity.sampling import Sampling, request_key
 from parity.wire import index_for, unpack_tensors
 from rollout.vllm_patches import (
@@ -301,6 +301,12 @@ class RolloutEngine:
                 kwargs["hf_overrides"]["kimi_rl_adapter"] = adapter_layout.as_dict()
             if kv_cache_dtype != "auto":  # the model builds its cache entries in that format
                 kwargs["hf_overrides"][KV_CACHE_DTYPE_KEY] = kv_cache_dtype
+                if not self.spec.is_linear:
+                    # vLLM sizes kimi-mini's cache pages from the config's one KV head: name
+                    # the slot's width in that format (parity.model_spec.mla_slot_width).
+                    slot = dataclasses.replace(self.spec, kv_cache_dtype=kv_cache_dtype).mla_slot_width(
+                        torch_dtype(dtype).itemsize)
+                    kwargs["hf_overrides"]["head_dim"] = slot // 2
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         if tensor_parallel_size > 1:

@@ -22,12 +22,13 @@ Per-request state lives in vLLM's caches, so vLLM schedules, preempts and frees 
   sequence starts from zeros. The batch is never reordered (no backend asks for it).
 - MLA layers hold a vLLM `Attention` layer with the parity backend (rollout.attention) only for
   its paged cache and metadata: the layer writes each new token's `mla_entries` cache entry
-  (latent; RoPE key; index key: spec.mla_cache_width values in the model dtype) across the
-  key and value halves of its slot (first half / second half, so no byte of the slot is
-  wasted), then gathers each request's entries at positions 0..L-1 (ctx_slots) and runs the
-  indexer and the sparse attention itself. The config reports one KV head of head_dim =
-  mla_cache_width / 2, so vLLM's hybrid page-size alignment sizes the attention pages from the
-  real per-token footprint.
+  (latent; RoPE key; index key: spec.mla_cache_width values in the model dtype, or with
+  `kv_cache_dtype` fp8 their packed e4m3 codes and one fp32 scale per part, parity/fp8.py)
+  across the key and value halves of its slot (first half / second half, so no byte of the
+  slot is wasted), then gathers each request's entries at positions 0..L-1 (ctx_slots) and
+  runs the indexer and the sparse attention itself. The layer's one KV head has head_dim =
+  spec.mla_slot_width / 2 (the engine reports the same in the config), so vLLM's hybrid
+  page-size alignment sizes the attention pages from the real per-token footprint.
 
 Parameters are plain tensors under the HF names, except each expert's (and the shared
 expert's) gate_proj and up_proj, held fused as `...gate_up_proj.weight` = cat([gate, up]) as
@@ -57,7 +58,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from parity import kernels, kimi
+from parity import fp8, kernels, kimi
 from parity.kimi import Pair
 from parity.model_spec import KIMI_ARCHITECTURE, KIMI_LINEAR_ARCHITECTURE, KimiSpec
 from rollout.attention import ParityAttentionBackend, _slot_view
@@ -290,8 +291,9 @@ class ParityMla(nn.Module):
             self.indexer = _Indexer(spec, lin, f"{prefix}.indexer")
         # Never called: it owns the paged cache (one "head" of one entry per token) and makes
         # vLLM build the parity attention metadata for this layer.
+        self.slot_width = spec.mla_slot_width(dtype.itemsize)
         self.attn = Attention(
-            1, spec.mla_cache_width // 2, 1.0, num_kv_heads=1, cache_config=cache_config,
+            1, self.slot_width // 2, 1.0, num_kv_heads=1, cache_config=cache_config,
             prefix=f"{prefix}.attn", attn_backend=ParityAttentionBackend,
         )
 
@@ -320,13 +322,13 @@ class ParityMla(nn.Module):
         """Write this step's cache entries, read each request's context back and run the
         indexer: (q, ctx [R, L, width], selected, count; both None without an indexer). Idempotent: the routing trace
         (rollout/kimi_trace.py) calls it again after the forward to see the selection."""
-        s, n, width = self.spec, meta.num_query_tokens, self.spec.mla_cache_width
+        s, n = self.spec, meta.num_query_tokens
         q, entry, index_q, index_w = kimi.mla_entries(self, s, h[:n], positions[:n])
-        cache = _slot_view(self.attn.kv_cache, 1, width // 2)  # [slot, key | value, head, width / 2]
+        cache = _slot_view(self.attn.kv_cache, 1, self.slot_width // 2).view(-1, self.slot_width)  # [slot, width]
         slots = meta.slot_mapping[:n].to(torch.int64)
         keep = slots >= 0
-        cache[slots[keep], :, 0] = entry[keep].to(cache.dtype).view(-1, 2, width // 2)
-        ctx = cache[meta.ctx_slots][:, :, :, 0].reshape(*meta.ctx_slots.shape, width)  # [R, L, width]
+        cache[slots[keep]] = self.to_slots(entry[keep], cache.dtype)
+        ctx = self.from_slots(cache[meta.ctx_slots], entry.dtype)  # [R, L, mla_cache_width]
         # Positions past a request's end read slot 0: zero them (never selected either way).
         valid = torch.arange(ctx.shape[1]).unsqueeze(0) < meta.seq_lens.unsqueeze(1)
         ctx = ctx.masked_fill(~valid.unsqueeze(-1), 0)
@@ -336,6 +338,23 @@ class ParityMla(nn.Module):
             s, index_q, index_w, ctx[..., -s.index_head_dim :], meta.q_seq, meta.q_pos
         )
         return q, ctx, selected, count
+
+    def to_slots(self, entry: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cache slots [N, slot_width] of `dtype` holding entries [N, mla_cache_width]: the
+        values, or with an FP8 cache their packed codes and scales (the entries are already
+        rounded to FP8, so unpacking gives them back bit for bit)."""
+        if self.spec.kv_cache_dtype != "fp8":
+            return entry.to(dtype)
+        packed = fp8.pack(entry, self.spec.mla_cache_parts)
+        slots = packed.new_zeros(packed.shape[0], self.slot_width * dtype.itemsize)
+        slots[:, : packed.shape[1]] = packed
+        return slots.view(dtype)
+
+    def from_slots(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The entries [..., mla_cache_width] in `dtype` that cache slots [..., slot_width] hold."""
+        if self.spec.kv_cache_dtype != "fp8":
+            return slots.to(dtype)
+        return fp8.unpack(slots.contiguous().view(torch.uint8), self.spec.mla_cache_parts, dtype)
 
 
 class _Expert(nn.Module):

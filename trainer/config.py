@@ -12,7 +12,7 @@ from parity.lora import TARGETS as DENSE_LORA_TARGETS
 from parity.settings import setting
 
 # Every module name `lora.target_modules` may list: the dense models' seven projections, plus
-# the ones only kimi-mini's MLA layers have.
+# the ones only the Kimi architectures' layers have.
 LORA_MODULES = DENSE_LORA_TARGETS + tuple(t for t in KIMI_LORA_TARGETS if t not in DENSE_LORA_TARGETS)
 KIMI_ONLY_LORA_MODULES = tuple(t for t in LORA_MODULES if t not in DENSE_LORA_TARGETS)
 

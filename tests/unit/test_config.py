@@ -410,3 +410,22 @@ def test_fp8_cache_on_a_dense_model_is_refused_naming_the_key(write) -> None:
     message = error(path)
     assert message.startswith(f"{path}:5: rollout.kv_cache_dtype: "), message
     assert "only the Kimi architectures' MLA caches keep FP8 entries" in message, message
+
+
+@pytest.mark.parametrize("architecture", ["KimiMiniForCausalLM", "KimiLinearForCausalLM"])
+def test_kimi_architectures_checks(tmp_path, architecture) -> None:
+    model = tmp_path / "kimi"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    head = f"run_dir: {tmp_path / 'run'}\ntotal_steps: 3\nmodel: {{path: {model}}}\n"
+    cfg_path = tmp_path / "kimi.yaml"
+    cfg_path.write_text(head + "rollout:\n  kv_cache_dtype: fp8\n")
+    assert load_config(cfg_path).rollout.kv_cache_dtype == "fp8"
+    for body, line, phrase in [
+        ("parity:\n  enabled: false\n", 5, f"parity.enabled: must be true for {architecture}"),
+        ("rollout:\n  enforce_eager: false\n", 5, f"rollout.enforce_eager: is false with lora on {architecture}"),
+        ("trainer:\n  backend: deepspeed\n", 5, "trainer.backend: deepspeed trains the HF parity models"),
+    ]:
+        cfg_path.write_text(head + body)
+        message = error(cfg_path)
+        assert message.startswith(f"{cfg_path}:{line}: {phrase}"), message

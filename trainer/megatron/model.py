@@ -8,6 +8,7 @@ weights, the baseline the parity layer is measured against.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from safetensors.torch import load_file
 
 from parity import kernels
 from parity.dtypes import torch_dtype
-from parity.model_spec import KimiSpec, ModelSpec, load_spec
+from parity.model_spec import KimiSpec, ModelSpec, check_kv_cache_dtype, hf_architecture, load_spec
 from parity.tp import padded_vocab
 from trainer.megatron.convert import hf_to_megatron, shard_megatron_state
 from trainer.megatron.layers import (
@@ -150,9 +151,13 @@ def load_model(
     with the same tp_size; with tp_size > 1 each rank holds its shards, parity/tp.py).
 
     kimi-mini (trainer/kimi.py) exists only as the parity model: its mixers have no stock
-    Megatron counterpart to serve as a baseline, so parity=False is refused."""
+    Megatron counterpart to serve as a baseline, so parity=False is refused. `kv_cache_dtype`
+    "fp8" (the Kimi architectures) rounds each MLA cache entry as the rollout's FP8 cache keeps
+    it (parity.kimi.mla_entries)."""
     spec = load_spec(model_dir)
+    check_kv_cache_dtype(kv_cache_dtype, hf_architecture(model_dir) if parity else None)
     if isinstance(spec, KimiSpec):
+        spec = dataclasses.replace(spec, kv_cache_dtype=kv_cache_dtype)
         if not parity:
             raise ValueError("kimi-mini has no stock Megatron model: use parity=True")
         from trainer.megatron.kimi import build_kimi_gpt
