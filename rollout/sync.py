@@ -21,7 +21,7 @@ this rank's shards; the defaults below are TP=1).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -57,9 +57,19 @@ class PackedWeight(nn.Module):
             self._pack, self._has_pack = kernels.pack(self.weight), True
         return self._pack
 
+    def derived_pack(self, make: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(make(weight), its pack), made once per weight version like pack(): for a caller
+        that always computes with the same function of the weight (a TP rank's vocabulary
+        rows of a replicated tied embedding), instead of re-making both on every call."""
+        if self._derived is None:
+            derived = make(self.weight)
+            self._derived = (derived, kernels.pack(derived))
+        return self._derived
+
     def drop_pack(self) -> None:
         self._pack: torch.Tensor | None = None
         self._has_pack = False
+        self._derived: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
 class SyncedModel:
