@@ -1,16 +1,18 @@
 """Benchmark trainer -> rollout weight sync, measured side by side in one run.
 
 Adapter sync: latency of a LoRA adapter sync (rank 8 / 16 / 64, all seven targets) exactly as
-the training loop runs it — a fresh adapter each repeat, packed by a trainer actor, through Ray's
-object store, the configured sync hooks (default: checksum + timing) run by rl.loop.make_sync,
-copied into a Ray actor's in-process vLLM engine, which hashes what it now holds — and the
-engine-side copy alone (`RolloutEngine.set_adapter*` in this process).
+the training loop runs it — a fresh adapter each repeat, packed, hashed and put in Ray's object
+store by a trainer actor, its handle forwarded by the driver through the configured sync hooks
+(default: checksum + timing) run by rl.loop.make_sync, copied into a Ray actor's in-process
+vLLM engine, which digests what it now holds — and the engine-side copy alone
+(`RolloutEngine.set_adapter*` in this process; skipped with --loop-only).
 Full-weight sync: throughput of `RolloutEngine.update_params_packed` (the loop's path: the
 fused parameters as the trainer holds them, one buffer) and of vLLM's reload
 (`update_weights`, HF names) for every weight of the model, against a plain `copy_` of the same
 bytes into preallocated tensors.
 
-    python scripts/bench_sync.py [--model smollm2] [--out bench_results/bench_sync.json]
+    python scripts/bench_sync.py [--model smollm2] [--ranks 8,16,64] [--repeats 20] [--loop-only]
+        [--out bench_results/bench_sync.json]
 """
 
 from __future__ import annotations
