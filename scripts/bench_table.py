@@ -46,27 +46,32 @@ def _run_rows(path: Path) -> list[str]:
     return rows
 
 
-def table() -> str:
+def table(runs: Path) -> str:
     lines = ["| run | label | CPU, kernels, threads | load (1 min, before–after) | model | measure | shape "
              "| stock | parity | ratio | target | repeats |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for path in sorted(RUNS.glob("*.json")):
+    for path in sorted(runs.glob("*.json")):
         lines += _run_rows(path)
     return "\n".join(lines)
+
+
+def regenerate(page: Path, runs: Path) -> str:
+    """The page's text with the table between the markers made from the JSON files in runs."""
+    text = page.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"{page}: the bench_table markers are missing")
+    before, rest = text.split(START, 1)
+    after = rest.split(END, 1)[1]
+    return f"{before}{START}\n{table(runs)}\n{END}{after}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is not up to date")
     args = ap.parse_args()
-    text = PAGE.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{PAGE}: the bench_table markers are missing")
-    before, rest = text.split(START, 1)
-    after = rest.split(END, 1)[1]
-    new = f"{before}{START}\n{table()}\n{END}{after}"
+    new = regenerate(PAGE, RUNS)
     if args.check:
-        sys.exit(0 if new == text else 1)
+        sys.exit(0 if new == PAGE.read_text() else 1)
     PAGE.write_text(new)
     print(f"wrote the table of {len(list(RUNS.glob('*.json')))} run(s) into {PAGE.relative_to(ROOT)}")
 
