@@ -131,10 +131,11 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The compiled GEMM's packed layout of a weight [N, K] (a copy: bytes moved, none
-    changed), for `linear(..., packed=)` by a caller that holds the weight fixed and drops the
-    pack whenever it writes the weight; None where `linear` takes no pack (CUDA, or the
-    invariant kernels switched off)."""
+    """The compiled GEMM's packed layout of a weight [N, K] (a copy in the weight's dtype:
+    bytes moved, none changed; a bf16 pack is widened exactly as the kernel loads it), for
+    `linear(..., packed=)` by a caller that holds the weight fixed and drops the pack whenever
+    it writes the weight; None where `linear` takes no pack (CUDA, or the invariant kernels
+    switched off)."""
     if weight.is_cuda or not INVARIANT:
         return None
     return native.ops().pack(weight.detach())

@@ -44,6 +44,7 @@ from rich.markup import escape
 
 from parity.compare import compare_logprobs
 from parity.lora import AdapterLayout
+from parity.wire import Packed
 from rl.config import Config, dump_config
 from rl.errors import UserError, user_error
 from rl.metrics import MetricsLog, Wandb, plot_curves
@@ -154,7 +155,6 @@ class Run:
         from rl.cluster import start_ray
 
         self.cfg = cfg
-        self.packed_adapter: tuple = (None, {})  # (object ref, its tensors) of the last adapter
         n = cfg.rollout.num_workers
         start_ray(cfg.ray, run_dir or cfg.run_dir, num_cpus_needed=n + trainer_ranks(cfg))
         try:
@@ -229,23 +229,19 @@ class Run:
         ]
         return [c for part in ray.get(futures) for c in part]
 
-    def policy_tensors(self) -> tuple[str, dict[str, torch.Tensor], float]:
+    def policy_tensors(self) -> tuple[str, dict[str, torch.Tensor] | Packed, float]:
         """(kind, tensors, scaling) of what the workers must hold now. Parity on: the adapter
-        itself, for the parity model. Parity off: stock vLLM gets full weights with the adapter
-        merged in, the way other frameworks hand a LoRA policy to vLLM."""
+        itself, for the parity model, as the trainer packed it into the object store (a
+        parity.wire.Packed: the driver holds its handle, the workers read the buffer). Parity
+        off: stock vLLM gets full weights with the adapter merged in, the way other frameworks
+        hand a LoRA policy to vLLM."""
         import ray
 
-        from parity.wire import unpack_tensors
-
         cfg = self.cfg
-        scaling = ray.get(self.trainer.lora_scaling.remote()) or 1.0
         if cfg.lora.enabled and cfg.parity.enabled:
-            # Packed by the trainer: the workers read this very object from the store, unless
-            # a hook replaces a tensor (see make_sync); the hooks see views of it.
-            ref = self.trainer.rollout_packed.remote()
-            tensors = unpack_tensors(*ray.get(ref))
-            self.packed_adapter = (ref, tensors)
-            return "adapter", tensors, scaling
+            adapter, scaling = ray.get(self.trainer.rollout_packed.remote())
+            return "adapter", adapter, scaling or 1.0
+        scaling = ray.get(self.trainer.lora_scaling.remote()) or 1.0
         source = self.trainer.rollout_params if cfg.parity.enabled else self.trainer.merged_weights
         return "full", ray.get(source.remote()), scaling
 
@@ -255,9 +251,11 @@ class Run:
         from parity.wire import pack_tensors
 
         kind, tensors, scaling = self.policy_tensors()
-        worker, packed = self.workers[index], pack_tensors(tensors)
-        call = worker.sync_adapter.remote(packed, scaling) if kind == "adapter" else worker.sync_weights.remote(packed)
-        ray.get(call)
+        worker = self.workers[index]
+        if kind == "adapter":
+            ray.get(worker.sync_adapter.remote(tensors.data, scaling, False))
+        else:
+            ray.get(worker.sync_weights.remote(pack_tensors(tensors), False))
 
     def restart_worker(self, index: int) -> None:
         import ray
@@ -299,21 +297,27 @@ class Run:
 
 
 def make_sync(run: Run, cfg: Config, probe: list[list[int]]):
-    """The WeightSync of this run: hooks from the config, pushes to the Ray actors."""
+    """The WeightSync of this run: hooks from the config, pushes to the Ray actors. A packed
+    adapter's data is an object-store handle: passed on as is, each worker reads the buffer."""
     import ray
 
-    from parity.wire import pack_tensors
     from rl.sync import ParityProbeHook, WeightSync, build_hooks
 
-    def push_adapter(tensors, scaling, checksums):
-        ref, sent = run.packed_adapter
-        if ref is None or tensors.keys() != sent.keys() or any(tensors[k] is not v for k, v in sent.items()):
-            ref = ray.put(pack_tensors(tensors))  # a hook changed the tensors: pack them again
-        return ray.get([w.sync_adapter.remote(ref, scaling, checksums) for w in run.workers])
+    def push_adapter(packed, scaling, digest):
+        data = packed.data if isinstance(packed.data, ray.ObjectRef) else ray.put(packed.data)
+        return ray.get([w.sync_adapter.remote(data, scaling, digest) for w in run.workers])
 
-    def push_full(bucket, checksums):
-        ref = ray.put(pack_tensors(bucket))
-        return ray.get([w.sync_weights.remote(ref, checksums) for w in run.workers])
+    def push_full(packed, digest):
+        ref = ray.put(packed.data)
+        return ray.get([w.sync_weights.remote(ref, digest) for w in run.workers])
+
+    def held_checksums(kind, names):
+        if kind == "adapter":
+            return ray.get([w.adapter_checksums.remote() for w in run.workers])
+        return ray.get([w.param_checksums.remote(names) for w in run.workers])
+
+    def fetch(data):
+        return ray.get(data) if isinstance(data, ray.ObjectRef) else data
 
     def parity_probe():
         starts = [1] * len(probe)
@@ -330,7 +334,7 @@ def make_sync(run: Run, cfg: Config, probe: list[list[int]]):
         # trainer's by design: there is nothing bitwise to verify.
         names = [n for n in names if n not in ("checksum", "parity_probe")]
     hooks = build_hooks(names, parity_probe=parity_probe)
-    return WeightSync(hooks, len(run.workers), push_adapter, push_full, cfg.sync.bucket_mb)
+    return WeightSync(hooks, len(run.workers), push_adapter, push_full, held_checksums, cfg.sync.bucket_mb, fetch)
 
 
 class RunFailed(Exception):

@@ -7,7 +7,7 @@ engine when parity is off). The sync runs
 
     for hook in hooks: hook.before_sync(event)      # may observe or replace event.tensors
     push event.tensors to every worker, in memory  # adapter: one message; full: buckets
-    for hook in hooks: hook.after_sync(event)       # sees each worker's checksums and timings
+    for hook in hooks: hook.after_sync(event)       # sees each worker's digests and timings
 
 and returns the metrics the hooks report (`sync/...`). A hook is any object with those two
 methods (subclass `SyncHook` to get no-op defaults). Built-in hooks, named in the config's
@@ -16,6 +16,13 @@ worker and the tensor), "timing" (`sync/seconds`, `sync/mb`), "parity_probe" (re
 probe batch on the trainer and every worker after the sync and requires bitwise equality).
 User hooks come from the config by "module:attr" (a class, instantiated with no arguments, or
 an instance).
+
+The adapter may arrive already packed (parity.wire.Packed: the trainer packed it, hashed the
+buffer once and put it in Ray's object store). Then the driver forwards the handle: the bytes
+cross the store once (the trainer's put, each worker's read), unless a hook reads
+`event.tensors`, which fetches them on first read. Verification is one digest per buffer on each
+side (parity.wire.digest); the per-tensor checksums in `event.worker_checksums` are fetched from
+the workers only when read (the checksum hook reads them to name a tensor that differs).
 
 Example (also in the README):
 
@@ -29,13 +36,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from parity.compare import tensor_checksum
+from parity.wire import Index, Packed, packed, unpack_tensors
 from rl.errors import UserError
+
+Kind = Literal["adapter", "full"]
 
 
 class SyncError(RuntimeError):
@@ -46,29 +55,83 @@ def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: tensor_checksum(t) for name, t in tensors.items()}
 
 
-@dataclass
 class SyncEvent:
-    """One trainer -> rollout sync, as the hooks see it."""
+    """One trainer -> rollout sync, as the hooks see it.
 
-    step: int
-    kind: Literal["adapter", "full"]
-    tensors: dict[str, torch.Tensor]  # before_sync hooks may replace entries (a transform)
-    num_workers: int
-    # Filled by the sync before after_sync hooks run:
-    worker_checksums: list[dict[str, str]] = field(default_factory=list)
-    seconds: float = 0.0  # wall time of the push (hooks excluded)
-    buckets: int = 0
-    # Hooks add their metrics here; the driver logs them with the step's metrics.
-    metrics: dict[str, float] = field(default_factory=dict)
+    step, kind ("adapter" | "full"), num_workers
+    tensors            by name; before_sync hooks may replace entries or the dict (a transform).
+                       A packed payload is fetched and unpacked (views) on first read.
+    digests            parity.wire.digest of each buffer pushed (one per bucket), after the push
+    worker_digests     per worker, its digest of what it holds, per buffer (None: not asked,
+                       as when no hook sets needs_checksums)
+    worker_checksums   per worker, {name: tensor_checksum} of what it holds: fetched from the
+                       workers on first read (a round trip and a hash per tensor)
+    seconds            wall time of the push (hooks excluded); buckets: how many buffers
+    metrics            hooks add their metrics here; the driver logs them with the step's
+    """
+
+    def __init__(
+        self, step: int, kind: Kind, tensors: dict[str, torch.Tensor] | Packed, num_workers: int,
+        fetch: Callable[[Any], tuple[Any, Index]] = lambda data: data,
+        held_checksums: Callable[[Kind, list[str] | None], list[dict[str, str]]] | None = None,
+    ) -> None:
+        self.step, self.kind, self.num_workers = step, kind, num_workers
+        self._packed = tensors if isinstance(tensors, Packed) else None
+        self._tensors = None if self._packed is not None else dict(tensors)
+        self._views: dict[str, torch.Tensor] = {}  # the unpacked payload, as first read
+        self._fetch, self._held_checksums = fetch, held_checksums
+        self._worker_checksums: list[dict[str, str]] | None = None
+        self.digests: list[str] = []
+        self.worker_digests: list[list[str | None]] = []
+        self.seconds = 0.0
+        self.buckets = 0
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._tensors is None:
+            self._views = unpack_tensors(*self._fetch(self._packed.data))
+            self._tensors = dict(self._views)
+        return self._tensors
+
+    @tensors.setter
+    def tensors(self, value: dict[str, torch.Tensor]) -> None:
+        self._tensors = value
+
+    def unchanged_packed(self) -> Packed | None:
+        """The payload as it arrived packed, if no hook replaced a tensor; else None."""
+        if self._packed is None:
+            return None
+        t = self._tensors
+        if t is None or (t.keys() == self._views.keys() and all(t[k] is v for k, v in self._views.items())):
+            return self._packed
+        return None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        if self._tensors is None:
+            return self._packed.nbytes
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    @property
+    def worker_checksums(self) -> list[dict[str, str]]:
+        if self._worker_checksums is None:
+            if self._held_checksums is None:
+                raise RuntimeError("this sync cannot ask its workers for per-tensor checksums")
+            # An adapter's workers hash all they hold; full weights, this sync's names.
+            names = list(self.tensors) if self.kind == "full" else None
+            self._worker_checksums = self._held_checksums(self.kind, names)
+        return self._worker_checksums
+
+    @worker_checksums.setter
+    def worker_checksums(self, value: list[dict[str, str]]) -> None:
+        self._worker_checksums = value
 
 
 class SyncHook:
-    """Base class with no-op methods; override either. A hook that reads
-    event.worker_checksums sets `needs_checksums = True` (workers skip hashing otherwise)."""
+    """Base class with no-op methods; override either. A hook that reads event.worker_digests
+    sets `needs_checksums = True` (workers skip hashing otherwise); event.worker_checksums is
+    fetched when read, whatever the flag."""
 
     needs_checksums = False
 
@@ -80,20 +143,25 @@ class SyncHook:
 
 
 class ChecksumHook(SyncHook):
-    """Every rollout worker must hold exactly the bytes the trainer sent."""
+    """Every rollout worker must hold exactly the bytes the trainer sent: one digest per buffer
+    on each side; on a mismatch, per-tensor checksums name the tensor."""
 
     needs_checksums = True  # asks the workers to hash what they hold (see WeightSync)
 
     def after_sync(self, event: SyncEvent) -> None:
-        expected = checksums(event.tensors)
-        for worker, held in enumerate(event.worker_checksums):
-            for name, digest in expected.items():
+        for worker, held_digests in enumerate(event.worker_digests):
+            if held_digests == event.digests:
+                continue
+            held = event.worker_checksums[worker]
+            for name, digest in checksums(event.tensors).items():
                 if held.get(name) != digest:
                     got = "missing" if name not in held else f"xxh3 {held[name][:12]}…"
                     raise SyncError(
                         f"step {event.step}: rollout worker {worker} holds {got} for {name!r}, "
                         f"trainer sent xxh3 {digest[:12]}…"
                     )
+            raise SyncError(f"step {event.step}: rollout worker {worker} holds buffers with digests "
+                            f"{held_digests}, trainer sent {event.digests} (every tensor equal)")
         event.metrics["sync/checksum_ok"] = 1.0
 
 
@@ -150,46 +218,56 @@ def buckets(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[dict[st
 
 
 class WeightSync:
-    """Runs the hooks around a push to the rollout workers.
+    """Runs the hooks around a push to the rollout workers. The driver wires these to the Ray
+    actors; a test can wire them to anything that holds tensors:
 
-    `push_adapter(tensors, scaling, checksums)` and `push_full(bucket, checksums)` send to
-    every worker and return each worker's checksums of what it now holds ({} when checksums is
-    False). The driver wires them to the Ray actors; a test can wire them to anything that
-    holds tensors."""
+    push_adapter(packed, scaling, digest)  send a parity.wire.Packed adapter to every worker
+    push_full(packed, digest)              send one bucket of full weights to every worker
+        both return each worker's parity.wire.digest of what it now holds (None if not digest)
+    held_checksums(kind, names)            each worker's {name: tensor_checksum} of those tensors
+                                           (names None: every adapter tensor it holds)
+    fetch(data)                            (flat, index) of a Packed's data (a store handle)"""
 
     def __init__(
         self,
         hooks: Sequence[SyncHook],
         num_workers: int,
-        push_adapter: Callable[[dict[str, torch.Tensor], float, bool], list[dict[str, str]]],
-        push_full: Callable[[dict[str, torch.Tensor], bool], list[dict[str, str]]],
+        push_adapter: Callable[[Packed, float, bool], list[str | None]],
+        push_full: Callable[[Packed, bool], list[str | None]],
+        held_checksums: Callable[[Kind, list[str] | None], list[dict[str, str]]],
         bucket_mb: int = 64,
+        fetch: Callable[[Any], tuple[Any, Index]] = lambda data: data,
     ) -> None:
         self.hooks = list(hooks)
-        self.checksums = any(getattr(h, "needs_checksums", False) for h in self.hooks)
+        self.digests = any(getattr(h, "needs_checksums", False) for h in self.hooks)
         self.num_workers = num_workers
         self.push_adapter = push_adapter
         self.push_full = push_full
+        self.held_checksums = held_checksums
         self.bucket_bytes = bucket_mb * 2**20
+        self.fetch = fetch
 
     def sync(
-        self, step: int, tensors: dict[str, torch.Tensor], *, kind: Literal["adapter", "full"],
-        scaling: float = 1.0,
+        self, step: int, tensors: dict[str, torch.Tensor] | Packed, *, kind: Kind, scaling: float = 1.0,
     ) -> dict[str, float]:
-        event = SyncEvent(step=step, kind=kind, tensors=dict(tensors), num_workers=self.num_workers)
+        """`tensors` by name, or an adapter already packed (kind "adapter")."""
+        event = SyncEvent(step, kind, tensors, self.num_workers, self.fetch, self.held_checksums)
         for hook in self.hooks:
             hook.before_sync(event)
         start = time.perf_counter()
         if kind == "adapter":
-            event.worker_checksums = self.push_adapter(event.tensors, scaling, self.checksums)
-            event.buckets = 1
+            payload = event.unchanged_packed() or packed(event.tensors)  # a hook's change: pack again
+            held = [[d] for d in self.push_adapter(payload, scaling, self.digests)]
+            event.digests, event.buckets = [payload.digest], 1
         else:
-            held: list[dict[str, str]] = [{} for _ in range(self.num_workers)]
-            parts = buckets(event.tensors, self.bucket_bytes)
-            for part in parts:
-                for worker, sums in enumerate(self.push_full(part, self.checksums)):
-                    held[worker].update(sums)
-            event.worker_checksums, event.buckets = held, len(parts)
+            held = [[] for _ in range(self.num_workers)]
+            for part in buckets(event.tensors, self.bucket_bytes):
+                payload = packed(part)
+                for worker, d in enumerate(self.push_full(payload, self.digests)):
+                    held[worker].append(d)
+                event.digests.append(payload.digest)
+            event.buckets = len(event.digests)
+        event.worker_digests = held
         event.seconds = time.perf_counter() - start
         for hook in self.hooks:
             hook.after_sync(event)

@@ -148,6 +148,12 @@ class ParityWorkerExtension:
     def kimi_rl_adapter_checksums(self) -> dict[str, str]:
         return self._kimi_rl_parity_model().adapter_checksums()
 
+    def kimi_rl_adapter_digest(self) -> str:
+        return self._kimi_rl_parity_model().adapter_digest()
+
+    def kimi_rl_param_digest(self, names: list[str]) -> str:
+        return self._kimi_rl_parity_model().param_digest(names)
+
     def kimi_rl_update_weights(self, payload: Tensors | bytes) -> None:
         # vLLM's in-place reload: the model's load_weights through the parameters' (wrapped)
         # weight loaders, into the live storage.
@@ -549,6 +555,12 @@ class RolloutEngine:
         self._require_parity("adapter_checksums")
         return self._rpc("kimi_rl_adapter_checksums")
 
+    def adapter_digest(self) -> str:
+        """parity.wire.digest of the adapter the rollout model holds: equal to the digest of the
+        packed buffer that set it (set_adapter_packed), in one pass over its bytes."""
+        self._require_parity("adapter_digest")
+        return self._rpc("kimi_rl_adapter_digest")
+
     def update_weights(self, named: Tensors) -> None:
         """Copy full weights, by HF checkpoint name, into the running model (vLLM's in-place
         reload; values are cast to the engine dtype as on a checkpoint load). Weights not
@@ -571,6 +583,12 @@ class RolloutEngine:
         """{rollout parameter name: tensor_checksum hex}, the names update_params_packed takes."""
         self._require_parity("param_checksums")
         return self._rpc("kimi_rl_param_checksums")
+
+    def param_digest(self, names: list[str]) -> str:
+        """parity.wire.digest_tensors of the named parameters, in this order: equal to the
+        digest of the update_params_packed buffer that wrote them."""
+        self._require_parity("param_digest")
+        return self._rpc("kimi_rl_param_digest", list(names))
 
     def weight_checksums(self) -> dict[str, str]:
         """{HF checkpoint name: tensor_checksum hex of the weight the rollout model holds}."""

@@ -353,11 +353,14 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
         # replicated tied embedding, or the held lm_head shard), padded to the trainer's padded
         # vocabulary; logits all-gathered in rank order, the padded columns cut off before the
         # sampler sees them.
+        # The rank's rows and their pack are kept between steps (dropped with the weights).
         from vllm.distributed import tensor_model_parallel_all_gather
 
         if self.spec.tie_word_embeddings:
-            weight = tp.shard_vocab(weight, self.tp_rank, self.tp_size)
-        logits = tensor_model_parallel_all_gather(kernels.linear(hidden_states, weight), dim=-1)
+            weight, packed = head.derived_pack(lambda w: tp.shard_vocab(w, self.tp_rank, self.tp_size))
+        else:
+            packed = head.pack()
+        logits = tensor_model_parallel_all_gather(kernels.linear(hidden_states, weight, packed=packed), dim=-1)
         return logits[..., : self.spec.vocab_size]
 
     # --- tensor parallelism: full tensors <-> this rank's shards ------------------------------

@@ -21,7 +21,7 @@ this rank's shards; the defaults below are TP=1).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -29,7 +29,15 @@ from torch import nn
 from parity import kernels, weights
 from parity.compare import tensor_checksum
 from parity.lora import AdapterLayout
-from parity.wire import Index, as_bytes_tensor, empty_buffer, index_for, unpack_tensors
+from parity.wire import (
+    Index,
+    as_bytes_tensor,
+    digest,
+    digest_tensors,
+    empty_buffer,
+    index_for,
+    unpack_tensors,
+)
 
 
 class PackedWeight(nn.Module):
@@ -49,14 +57,25 @@ class PackedWeight(nn.Module):
             self._pack, self._has_pack = kernels.pack(self.weight), True
         return self._pack
 
+    def derived_pack(self, make: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(make(weight), its pack), made once per weight version like pack(): for a caller
+        that always computes with the same function of the weight (a TP rank's vocabulary
+        rows of a replicated tied embedding), instead of re-making both on every call."""
+        if self._derived is None:
+            derived = make(self.weight)
+            self._derived = (derived, kernels.pack(derived))
+        return self._derived
+
     def drop_pack(self) -> None:
         self._pack: torch.Tensor | None = None
         self._has_pack = False
+        self._derived: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
 class SyncedModel:
     _packed: tuple[torch.Tensor, Index] | None = None  # the held adapter buffer, if packed
     _reserved: AdapterLayout | None = None  # the adapter form fixed at start (reserve_adapter)
+    _packed_scaling: float | None = None  # the scaling the linears hold with _packed
 
     # --- per architecture ---------------------------------------------------------------------
 
@@ -101,7 +120,7 @@ class SyncedModel:
         index = index_for(self._adapter_shapes(layout), self.dtype)
         buf = empty_buffer(index, self._device())
         self._hold(self._adapter_pairs(unpack_tensors(buf, index), layout.scaling), layout.scaling, copy=False)
-        self._packed, self._reserved = (buf, index), layout
+        self._packed, self._reserved, self._packed_scaling = (buf, index), layout, layout.scaling
 
     def set_adapter(self, tensors: dict[str, torch.Tensor], scaling: float) -> None:
         """Hold a LoRA adapter, replacing the previous one: `tensors` by peft name, in the model
@@ -136,12 +155,14 @@ class SyncedModel:
             self._check_reserved(index, held[1], scaling)
         if held is not None and held[1] == index and held[0].numel() == incoming.numel():
             held[0].copy_(incoming)
-            self._set_scaling(float(scaling))
+            if float(scaling) != self._packed_scaling:  # a walk over every linear: only on a change
+                self._set_scaling(float(scaling))
+                self._packed_scaling = float(scaling)
             return
         buf = incoming.to(self._device(), copy=True)
         pairs = self._adapter_pairs(unpack_tensors(buf, index), scaling)
         self._hold(pairs, float(scaling), copy=False)
-        self._packed = (buf, index)
+        self._packed, self._packed_scaling = (buf, index), float(scaling)
 
     def _check_reserved(self, index: Index, reserved: Index, scaling: float) -> None:
         if index != reserved:
@@ -175,6 +196,14 @@ class SyncedModel:
     def adapter_checksums(self) -> dict[str, str]:
         """parity.compare.tensor_checksum of each held adapter tensor, by peft name; empty without an adapter."""
         return {name: tensor_checksum(t) for name, t in self._held()}
+
+    def adapter_digest(self) -> str:
+        """parity.wire.digest of the held adapter: of its buffer when it came packed (one pass,
+        what a sync verifies against the sender's digest of the same layout), else of the held
+        tensors in _held() order."""
+        if self._packed is not None:
+            return digest(self._packed[0])
+        return digest_tensors(t for _, t in self._held())
 
     # --- full weights ------------------------------------------------------------------------------
 
@@ -244,6 +273,12 @@ class SyncedModel:
         with torch.no_grad():
             for name, tensor in tensors.items():
                 params[name].copy_(self._local(name, tensor))
+
+    def param_digest(self, names: list[str]) -> str:
+        """parity.wire.digest_tensors of the named parameters in this order (full tensors under
+        TP): equal to the digest of the full-weight bucket that wrote them."""
+        params = dict(self.full_parameters())
+        return digest_tensors(params[name] for name in names)
 
     def param_checksums(self) -> dict[str, str]:
         """tensor_checksum of every parameter, by this model's parameter name (fused layouts; full

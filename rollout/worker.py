@@ -62,26 +62,33 @@ class RolloutWorker:
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
         return self.engine.prompt_logprobs(sequences)
 
-    def sync_adapter(
-        self, packed: tuple[np.ndarray, Index], scaling: float, checksums: bool = True
-    ) -> dict[str, str]:
-        """Hold this adapter (parity.wire form) from now on; returns the checksums of what the
-        model now holds (or {} with checksums=False: hashing costs more than the copy)."""
+    def sync_adapter(self, packed: tuple[np.ndarray, Index], scaling: float, digest: bool = True) -> str | None:
+        """Hold this adapter (parity.wire form) from now on; returns the parity.wire.digest of
+        what the model now holds, one pass over its buffer (None with digest=False)."""
         self.engine.set_adapter_packed(*packed, scaling)
-        return self.engine.adapter_checksums() if checksums else {}
+        return self.engine.adapter_digest() if digest else None
 
-    def sync_weights(self, packed: tuple[np.ndarray, Index], checksums: bool = True) -> dict[str, str]:
-        """Full-weight sync of one bucket (parity.wire form); returns the checksums of the
-        tensors it now holds under the bucket's names. A parity engine takes its own fused
-        parameters (a copy each); a stock engine takes HF names through vLLM's reload."""
+    def sync_weights(self, packed: tuple[np.ndarray, Index], digest: bool = True) -> str | None:
+        """Full-weight sync of one bucket (parity.wire form); returns the digest of the
+        parameters it now holds under the bucket's names, in its order (None with digest=False,
+        and from a stock engine). A parity engine takes its own fused parameters (a copy each);
+        a stock engine takes HF names through vLLM's reload."""
         if not self.engine.parity:
             self.engine.update_weights(unpack_tensors(*packed))
-            return {}  # stock vLLM repacks weights for its kernels: nothing to checksum
+            return None  # stock vLLM repacks weights for its kernels: nothing to verify
         self.engine.update_params_packed(*packed)
-        if not checksums:
+        return self.engine.param_digest([name for name, *_ in packed[1]]) if digest else None
+
+    def adapter_checksums(self) -> dict[str, str]:
+        """tensor_checksum of each held adapter tensor, by peft name (names a digest mismatch)."""
+        return self.engine.adapter_checksums()
+
+    def param_checksums(self, names: list[str]) -> dict[str, str]:
+        """tensor_checksum of the named parameters it holds ({} from a stock engine)."""
+        if not self.engine.parity:
             return {}
         held = self.engine.param_checksums()
-        return {name: held[name] for name, *_ in packed[1] if name in held}
+        return {name: held[name] for name in names if name in held}
 
     def close(self) -> None:
         self.engine.close()

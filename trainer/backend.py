@@ -22,11 +22,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from torch import Tensor
 
 from parity.sampling import Sampling
+from parity.wire import Packed
 from trainer.config import TrainerConfig
 
 # The trainer.backend names (trainer.config.TrainerConfig.backend) and where each one lives.
@@ -62,8 +63,10 @@ class TrainerWorker(Protocol):
     def lora_scaling(self) -> float | None:
         """alpha / rank of the policy adapter (the rollout applies it); None for full weights."""
 
-    def rollout_packed(self) -> Any:
-        """The policy adapter in the sync wire format (parity.wire), for the rollout workers."""
+    def rollout_packed(self) -> tuple[Packed | None, float | None]:
+        """(the policy adapter in the sync wire format, put in Ray's object store: a
+        parity.wire.Packed whose data is the handle; lora_scaling), for the rollout workers.
+        Under tensor parallelism rank 0 answers; the other ranks return (None, None)."""
 
     def rollout_params(self) -> dict[str, Tensor]:
         """Full weights under the rollout parity model's names (a full-weight sync)."""

@@ -9,6 +9,11 @@
 // block; for any M. Threads split rows and column panels, never k. bf16 inputs are widened to
 // fp32 (exact), accumulated in fp32 and rounded once by the caller.
 //
+// A bf16 weight is packed in bf16 (the weight's own bytes, not twice as many) and each panel
+// value is widened to fp32 as the kernel loads it: bf16 -> fp32 is exact (the 16 bits become
+// the high half of the fp32 word), so every FMA sees the same fp32 operand either way and the
+// results are the same bits as with an fp32 pack.
+//
 // K-splits (the tensor-parallel order, parity/tp.py): with `splits` = S > 1, K is cut into S
 // equal contiguous slices, each element's chain restarts from +0.0f at every slice boundary,
 // and the S partial sums are added in slice order in fp32: ((p0 + p1) + p2) + ...  A
@@ -34,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -45,21 +51,46 @@ constexpr int kMaxPanels = 2;    // panels per register block, at most
 constexpr int64_t kChunkBlocks = 12;  // register blocks of rows per cache-blocking task
 
 // ---------------------------------------------------------------------------------------------
-// Micro-kernels: MR rows x NP consecutive 16-column panels, k = 0..K-1 in order.
-// x: row-major fp32 with row stride lda; panels: NP x [K][16] fp32, `pstride` floats apart; out:
-// MR rows at stride ldo, `cols` (1 .. NP * 16) valid columns, stored (add = false) or added to
-// what out holds (add = true: out = out + acc, one fp32 add, the next K-slice's partial).
+// Panel loads: W is float (an fp32 pack) or uint16_t (a bf16 pack: the raw bf16 bits), widened
+// exactly to fp32 on load.
 
-template <int MR, int NP>
+using Bf16 = uint16_t;
+
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const Bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+__attribute__((target("avx2"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2"))) inline __m256 load8(const Bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline float widen(float v) { return v; }
+inline float widen(Bf16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Micro-kernels: MR rows x NP consecutive 16-column panels, k = 0..K-1 in order.
+// x: row-major fp32 with row stride lda; panels: NP x [K][16] of W, `pstride` elements apart;
+// out: MR rows at stride ldo, `cols` (1 .. NP * 16) valid columns, stored (add = false) or added
+// to what out holds (add = true: out = out + acc, one fp32 add, the next K-slice's partial).
+
+template <int MR, int NP, typename W>
 __attribute__((target("avx512f,fma"))) void block_avx512(
-    const float* x, int64_t lda, int64_t K, const float* panels, int64_t pstride, float* out,
+    const float* x, int64_t lda, int64_t K, const void* panels_in, int64_t pstride, float* out,
     int64_t ldo, int64_t cols, bool add) {
+  const W* panels = static_cast<const W*>(panels_in);
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[NP];
-    for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_ps(panels + p * pstride + k * kPanel);
+    for (int p = 0; p < NP; ++p) w[p] = load16(panels + p * pstride + k * kPanel);
     for (int r = 0; r < MR; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * lda + k]);
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(a, w[p], acc[r][p]);
@@ -81,16 +112,17 @@ inline void store(const float* acc, float* out, int64_t cols, bool add) {
   for (int64_t c = 0; c < cols; ++c) out[c] = add ? out[c] + acc[c] : acc[c];
 }
 
-template <int MR, int NP>
+template <int MR, int NP, typename W>
 __attribute__((target("avx2,fma"))) void block_avx2(
-    const float* x, int64_t lda, int64_t K, const float* panels, int64_t pstride, float* out,
+    const float* x, int64_t lda, int64_t K, const void* panels_in, int64_t pstride, float* out,
     int64_t ldo, int64_t cols, bool add) {
   static_assert(NP == 1, "AVX2 blocks are one panel wide (16 registers)");
+  const W* panels = static_cast<const W*>(panels_in);
   __m256 lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const __m256 wl = _mm256_loadu_ps(panels + k * kPanel);
-    const __m256 wh = _mm256_loadu_ps(panels + k * kPanel + 8);
+    const __m256 wl = load8(panels + k * kPanel);
+    const __m256 wh = load8(panels + k * kPanel + 8);
     for (int r = 0; r < MR; ++r) {
       const __m256 a = _mm256_set1_ps(x[r * lda + k]);
       lo[r] = _mm256_fmadd_ps(a, wl, lo[r]);
@@ -105,19 +137,20 @@ __attribute__((target("avx2,fma"))) void block_avx2(
   }
 }
 
-template <int MR, int NP>
-void block_scalar(const float* x, int64_t lda, int64_t K, const float* panels, int64_t pstride,
+template <int MR, int NP, typename W>
+void block_scalar(const float* x, int64_t lda, int64_t K, const void* panels_in, int64_t pstride,
                   float* out, int64_t ldo, int64_t cols, bool add) {
   static_assert(NP == 1, "scalar blocks are one panel wide");
+  const W* panels = static_cast<const W*>(panels_in);
   for (int r = 0; r < MR; ++r)
     for (int64_t c = 0; c < cols; ++c) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc = std::fmaf(x[r * lda + k], panels[k * kPanel + c], acc);
+      for (int64_t k = 0; k < K; ++k) acc = std::fmaf(x[r * lda + k], widen(panels[k * kPanel + c]), acc);
       out[r * ldo + c] = add ? out[r * ldo + c] + acc : acc;
     }
 }
 
-using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool);
+using BlockFn = void (*)(const float*, int64_t, int64_t, const void*, int64_t, float*, int64_t, int64_t, bool);
 
 // The register blocking of one ISA: fn[rows - 1][panels - 1] for rows <= max_rows and
 // panels <= max_panels. Blocking changes speed only, never an element's arithmetic.
@@ -127,20 +160,26 @@ struct Kernels {
   BlockFn fn[kMaxRows][kMaxPanels];
 };
 
-#define KIMI_ROWS_1(f) {f<1, 1>, nullptr}, {f<2, 1>, nullptr}, {f<3, 1>, nullptr}, \
-  {f<4, 1>, nullptr}, {f<5, 1>, nullptr}, {f<6, 1>, nullptr}
-#define KIMI_ROWS_2(f) {f<1, 1>, f<1, 2>}, {f<2, 1>, f<2, 2>}, {f<3, 1>, f<3, 2>}, \
-  {f<4, 1>, f<4, 2>}, {f<5, 1>, f<5, 2>}, {f<6, 1>, f<6, 2>}, {f<7, 1>, f<7, 2>}, {f<8, 1>, f<8, 2>}
+#define KIMI_ROWS_1(f, W) {f<1, 1, W>, nullptr}, {f<2, 1, W>, nullptr}, {f<3, 1, W>, nullptr}, \
+  {f<4, 1, W>, nullptr}, {f<5, 1, W>, nullptr}, {f<6, 1, W>, nullptr}
+#define KIMI_ROWS_2(f, W) {f<1, 1, W>, f<1, 2, W>}, {f<2, 1, W>, f<2, 2, W>}, {f<3, 1, W>, f<3, 2, W>}, \
+  {f<4, 1, W>, f<4, 2, W>}, {f<5, 1, W>, f<5, 2, W>}, {f<6, 1, W>, f<6, 2, W>}, {f<7, 1, W>, f<7, 2, W>}, \
+  {f<8, 1, W>, f<8, 2, W>}
 
-const Kernels kAvx512{8, 2, {KIMI_ROWS_2(block_avx512)}};
-const Kernels kAvx2{6, 1, {KIMI_ROWS_1(block_avx2)}};
-const Kernels kScalar{6, 1, {KIMI_ROWS_1(block_scalar)}};
+const Kernels kAvx512{8, 2, {KIMI_ROWS_2(block_avx512, float)}};
+const Kernels kAvx2{6, 1, {KIMI_ROWS_1(block_avx2, float)}};
+const Kernels kScalar{6, 1, {KIMI_ROWS_1(block_scalar, float)}};
+const Kernels kAvx512Bf16{8, 2, {KIMI_ROWS_2(block_avx512, Bf16)}};
+const Kernels kAvx2Bf16{6, 1, {KIMI_ROWS_1(block_avx2, Bf16)}};
+const Kernels kScalarBf16{6, 1, {KIMI_ROWS_1(block_scalar, Bf16)}};
 
 using kimi_parity::cpu_has;
 using kimi_parity::isas;
 
-const Kernels& kernels_for(const std::string& isa) {
+// The kernels of an ISA for panels of fp32 (bf16 = false) or bf16.
+const Kernels& kernels_for(const std::string& isa, bool bf16 = false) {
   TORCH_CHECK(cpu_has(isa), "kimi_parity: this CPU cannot run the ", isa, " kernels");
+  if (bf16) return isa == "avx512" ? kAvx512Bf16 : isa == "avx2" ? kAvx2Bf16 : kScalarBf16;
   return isa == "avx512" ? kAvx512 : isa == "avx2" ? kAvx2 : kScalar;
 }
 
@@ -151,25 +190,36 @@ at::Tensor as_fp32_rows(const at::Tensor& x) {
   return x.to(at::kFloat).contiguous();  // bf16 -> fp32 is exact
 }
 
-// w [N, K] -> panels [ceil(N / 16), K, 16] fp32, columns past N zero.
-at::Tensor pack(const at::Tensor& weight) {
-  const at::Tensor w = as_fp32_rows(weight);
-  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
-  at::Tensor packed = n % kPanel ? at::zeros({panels, k, kPanel}, w.options())
-                                 : at::empty({panels, k, kPanel}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
+// The panel transpose of pack, for elements of type T (bytes moved, none changed).
+template <typename T>
+void pack_panels(const T* src, T* dst, int64_t n, int64_t k, int64_t panels) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     const kimi_parity::fixed::DefaultFpEnv env;
     for (int64_t p = begin; p < end; ++p) {
       const int64_t cols = std::min(kPanel, n - p * kPanel);
-      const float* rows = src + p * kPanel * k;
-      float* panel = dst + p * k * kPanel;
-      // Writes in order (one cache line per k), reads as `cols` sequential streams.
+      const T* rows = src + p * kPanel * k;
+      T* panel = dst + p * k * kPanel;
+      // Writes in order (one cache line per k or two), reads as `cols` sequential streams.
       for (int64_t i = 0; i < k; ++i)
         for (int64_t c = 0; c < cols; ++c) panel[i * kPanel + c] = rows[c * k + i];
     }
   });
+}
+
+// w [N, K] -> panels [ceil(N / 16), K, 16] in w's dtype (fp32 or bf16: a bf16 pack is as
+// many bytes as the weight; the kernels widen it on load), columns past N zero.
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "kimi_parity: expected a 2-D weight, got ", weight.dim(), "-D");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "kimi_parity: fp32 or bf16 only, got ", weight.scalar_type());
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
+  at::Tensor packed = n % kPanel ? at::zeros({panels, k, kPanel}, w.options())
+                                 : at::empty({panels, k, kPanel}, w.options());
+  if (w.scalar_type() == at::kBFloat16)
+    pack_panels(static_cast<const Bf16*>(w.data_ptr()), static_cast<Bf16*>(packed.data_ptr()), n, k, panels);
+  else
+    pack_panels(w.data_ptr<float>(), packed.data_ptr<float>(), n, k, panels);
   return packed;
 }
 
@@ -180,8 +230,9 @@ at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
                    int64_t splits, bool sum) {
   const at::Tensor x = as_fp32_rows(x_in);
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kFloat,
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
               "kimi_parity: weight is not a packed panel tensor");
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == k, "kimi_parity: K mismatch: input ", k, ", weight ", packed.size(1));
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "kimi_parity: bad N ", n);
@@ -191,9 +242,10 @@ at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
   if (k == 0) return out.zero_();
   const int64_t ks = k / splits;
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
+  const char* wp = static_cast<const char*>(packed.data_ptr());
+  const int64_t wsize = packed.element_size();
   float* op = out.data_ptr<float>();
-  const Kernels& kern = kernels_for(isa);
+  const Kernels& kern = kernels_for(isa, bf16);
   // Cache blocking (speed only): a task is one chunk of up to kChunkBlocks register blocks of
   // rows (kept in L2) times one block of panels; a thread's consecutive tasks share the row
   // chunk. How tasks fall to threads never changes an element's arithmetic, and one task runs
@@ -215,7 +267,7 @@ at::Tensor gemm_on(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, 
         const int64_t rows = std::min<int64_t>(kern.max_rows, chunk_end - r0);
         for (int64_t s = 0; s < splits; ++s) {
           float* dst = op + (sum ? 0 : s * m * n) + r0 * n + c0;
-          kern.fn[rows - 1][np - 1](xp + r0 * k + s * ks, k, ks, wp + p0 * k * kPanel + s * ks * kPanel,
+          kern.fn[rows - 1][np - 1](xp + r0 * k + s * ks, k, ks, wp + (p0 * k * kPanel + s * ks * kPanel) * wsize,
                                     k * kPanel, dst, n, cols, sum && s > 0);
         }
       }

@@ -159,8 +159,8 @@ def test_resync_after_a_training_step(case):
 
 
 def test_packed_sync_rollout_equals_trainer(case):
-    """The sync wire format (one flat buffer + index, what the training loop sends): parity and
-    checksums on the first sync of a layout and on a re-sync into the held buffer; a
+    """The sync wire format (one flat buffer + index, what the training loop sends): parity,
+    checksums and the buffer's digest on the first sync of a layout and on a re-sync into the held buffer; a
     dict-of-tensors set_adapter afterwards still works."""
     from parity.wire import pack_tensors
     from trainer.megatron.lora import load_peft_state_dict, peft_state_dict, rollout_tensors
@@ -170,8 +170,11 @@ def test_packed_sync_rollout_equals_trainer(case):
         for seed in (4, 5):  # first layout, then the same layout with new values
             randomize_adapter(case.trainer, seed=seed, std=0.05)
             tensors = rollout_tensors(case.trainer)
-            case.engine.set_adapter_packed(*pack_tensors(tensors), case.scaling)
+            flat, index = pack_tensors(tensors)
+            case.engine.set_adapter_packed(flat, index, case.scaling)
             assert case.engine.adapter_checksums() == {k: digest(v) for k, v in tensors.items()}
+            # One digest of the held buffer: the XXH3-128 of the buffer that was sent.
+            assert case.engine.adapter_digest() == xxhash.xxh3_128_hexdigest(flat.tobytes())
             assert_rollout_equals_trainer(case)
         bad = dict(tensors)
         name = next(iter(bad))

@@ -115,7 +115,7 @@ def test_tp2_lora_and_weight_sync(model_factory, prompt_file):
     from parity.compare import tensor_checksum
     from parity.lora import TARGETS
     from parity.model_spec import ModelSpec
-    from parity.wire import pack_tensors
+    from parity.wire import digest, pack_tensors
     from rollout.engine import RolloutEngine
     from trainer.megatron.convert import hf_to_megatron, megatron_to_rollout
 
@@ -135,6 +135,7 @@ def test_tp2_lora_and_weight_sync(model_factory, prompt_file):
         flat, index = pack_tensors(full)
         engine.update_params_packed(flat, index)  # full tensors in, each worker keeps its shard
         assert engine.param_checksums() == {k: tensor_checksum(v) for k, v in full.items()}
+        assert engine.param_digest([name for name, *_ in index]) == digest(flat)  # the sync's one digest
 
         engine.set_adapter(adapter, alpha / lora_rank)
         assert engine.adapter_checksums() == {k: tensor_checksum(v) for k, v in adapter.items()}
@@ -144,6 +145,7 @@ def test_tp2_lora_and_weight_sync(model_factory, prompt_file):
         base_logprobs = engine.prompt_logprobs(sequences)
         flat, index = pack_tensors(adapter)
         engine.set_adapter_packed(flat, index, alpha / lora_rank)
+        assert engine.adapter_digest() == digest(flat)
         packed_logprobs = engine.prompt_logprobs(sequences)
     args = _args(model_dir, "fp32", prompt_file)
     train = rescore(

@@ -42,6 +42,20 @@ def test_every_code_path_equals_the_scalar_reference(m, n, k, dtype, splits, see
     assert torch.equal(kernels.linear(x, w, k_splits=splits), reference.to(dtype))
 
 
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 300), k=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_a_bf16_weight_is_packed_in_bf16_and_computes_the_fp32_pack_bits(m, n, k, seed):
+    """The pack keeps the weight's dtype (bf16: as many bytes as the weight, half an fp32
+    pack), holds the same values as the pack of the weight widened to fp32, and every code path
+    gives the fp32 pack's bits from it (bf16 -> fp32 widening is exact)."""
+    x, w = _randn(seed, m, k, dtype=torch.bfloat16), _randn(seed + 1, n, k, dtype=torch.bfloat16)
+    packed, wide = ops().pack(w), ops().pack(w.float())
+    assert packed.dtype == torch.bfloat16 and wide.dtype == torch.float32
+    assert packed.numel() == wide.numel() and torch.equal(packed.float(), wide)
+    for isa in ops().isas():
+        assert torch.equal(ops().gemm_on(x, packed, n, isa, 1, True), ops().gemm_on(x, wide, n, isa, 1, True)), isa
+
+
 @settings(max_examples=20, deadline=None)
 @given(m=st.integers(1, 60), n=st.integers(1, 300), per_slice=st.integers(1, 120), dtype=DTYPES,
        splits=st.sampled_from([2, 4, 6, 8]), seed=st.integers(0, 2**16))

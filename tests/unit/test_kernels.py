@@ -248,8 +248,9 @@ def test_linear_gradients_match_plain_autograd():
 
 
 def test_rollout_weight_pack_is_made_once_and_dropped_by_every_write():
-    """rollout.sync.PackedWeight: the GEMM pack is reused between writes (the same tensor), and
-    a full-weight sync drops it, so the next forward computes with the new weights."""
+    """rollout.sync.PackedWeight: the GEMM pack (and a derived tensor's pack) is reused between
+    writes (the same tensor), and a full-weight sync drops it, so the next forward computes with
+    the new weights."""
     from torch import nn
 
     from parity.wire import pack_tensors
@@ -268,6 +269,10 @@ def test_rollout_weight_pack_is_made_once_and_dropped_by_every_write():
     assert model.proj.pack() is first
     assert torch.equal(kernels.linear(x, model.proj.weight, packed=first), kernels.linear(x, model.proj.weight))
     new = _randn(2, 24, 40)
+    rows = model.proj.derived_pack(lambda w: w[:8])  # a TP rank's vocabulary rows of a tied head
+    assert model.proj.derived_pack(lambda w: w[:8]) is rows
     model.update_params_packed(*pack_tensors({"proj.weight": new}))
     assert model.proj.pack() is not first
     assert torch.equal(kernels.linear(x, model.proj.weight, packed=model.proj.pack()), kernels.linear(x, new))
+    weight, packed = model.proj.derived_pack(lambda w: w[:8])
+    assert torch.equal(weight, new[:8]) and torch.equal(kernels.linear(x, weight, packed=packed), kernels.linear(x, new[:8]))

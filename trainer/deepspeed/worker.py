@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from parity.sampling import Sampling
-from parity.wire import pack_tensors
+from parity.wire import Packed, packed
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 
 
@@ -121,9 +121,11 @@ class DeepSpeedTrainerWorker:
     def rollout_tensors(self) -> dict[str, torch.Tensor]:
         return self._all("rollout_tensors")
 
-    def rollout_packed(self):
-        """rollout_tensors in the sync wire format (parity.wire), packed here (see TrainerWorker)."""
-        return pack_tensors(self._all("rollout_tensors"))
+    def rollout_packed(self) -> tuple[Packed, float | None]:
+        """rollout_tensors packed and put in the object store here, with the scaling (see TrainerWorker)."""
+        import ray
+
+        return packed(self._all("rollout_tensors"), store=ray.put), self.lora_scaling()
 
     def rollout_params(self) -> dict[str, torch.Tensor]:
         return self._all("rollout_params")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from parity.sampling import Sampling
-from parity.wire import pack_tensors
+from parity.wire import Packed, packed
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 
 
@@ -51,10 +51,17 @@ class TrainerWorker:
     def rollout_tensors(self) -> dict[str, torch.Tensor]:
         return self.policy.rollout_tensors()
 
-    def rollout_packed(self):
-        """rollout_tensors in the sync wire format (parity.wire): one flat buffer + index,
-        packed here so the tensors cross the object store once, as one buffer."""
-        return pack_tensors(self.policy.rollout_tensors())
+    def rollout_packed(self) -> tuple[Packed | None, float | None]:
+        """rollout_tensors in the sync wire format (parity.wire), packed and hashed once here and
+        put in Ray's object store: the driver gets the handle, digest and size (and the LoRA
+        scaling, which saves it a call), the workers read the buffer from the store. Every rank
+        computes the tensors (a collective under TP); rank 0 alone packs them."""
+        import ray
+
+        tensors = self.policy.rollout_tensors()
+        if self.rank != 0:
+            return None, None
+        return packed(tensors, store=ray.put), self.policy.lora_scaling
 
     def rollout_params(self) -> dict[str, torch.Tensor]:
         """Full weights (no LoRA) under the rollout parity model's parameter names, in the
