@@ -55,6 +55,11 @@ SHRINK: dict[str, str] = {
     ".venv/bin/kimi-rl parity check --model models/kimi-tiny --dtype bf16 --batch-sizes 1,16 "
     "--num-prompts 6 --max-tokens 8 --max-num-batched-tokens 64 "
     "--adapter runs/kimi-ppo/checkpoints/step_000003/adapter": SMALL_CHECK,
+    ".venv/bin/kimi-rl parity check --model models/kimi-tiny --dtype bf16 --batch-sizes 1,4 --num-prompts 4 "
+    "--max-tokens 8 --max-num-batched-tokens 32 --kv-cache-dtype fp8": SMALL_CHECK,
+    ".venv/bin/kimi-rl model init --arch kimi-linear --preset tiny --seed 0 --dtype bf16 models/kl-tiny": "",
+    ".venv/bin/kimi-rl parity check --model models/kl-tiny --dtype bf16 --batch-sizes 1,3 --num-prompts 3 "
+    "--max-tokens 4 --max-num-batched-tokens 64": SMALL_CHECK,
     ".venv/bin/kimi-rl train configs/quickstart.yaml": " total_steps=2",
     ".venv/bin/kimi-rl train configs/quickstart.yaml --print-config": "",
     ".venv/bin/kimi-rl train configs/quickstart.yaml --resume runs/quickstart total_steps=30": " total_steps=3",
