@@ -358,14 +358,11 @@ def hf_weight_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
     if spec.is_linear:
         return _kimi_linear_shapes(spec)
     h = spec.hidden_size
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
-    if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = (spec.vocab_size, h)
+    out = _outer_shapes(spec)
     nh, d = spec.kda_num_heads, spec.kda_head_dim
     for i, kind in enumerate(spec.layer_types):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (h,)
-        out[p + "post_attention_layernorm.weight"] = (h,)
+        out.update(_layer_norm_shapes(p, h))
         a = p + "self_attn."
         if kind == "kda":
             for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
@@ -391,6 +388,19 @@ def hf_weight_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _outer_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
+    """The embedding, the final norm and an untied LM head."""
+    h = spec.hidden_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = (spec.vocab_size, h)
+    return out
+
+
+def _layer_norm_shapes(p: str, h: int) -> dict[str, tuple[int, ...]]:
+    return {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+
+
 def _mla_shapes(spec: KimiSpec, a: str) -> dict[str, tuple[int, ...]]:
     h, hm = spec.hidden_size, spec.num_attention_heads
     return {
@@ -414,14 +424,11 @@ def _kimi_linear_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
     depthwise weights, A_log [1, 1, H, 1], MoE under `block_sparse_moe` with experts w1 (gate),
     w3 (up), w2 (down), dense `mlp` for the first first_k_dense_replace layers."""
     h = spec.hidden_size
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
-    if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = (spec.vocab_size, h)
+    out = _outer_shapes(spec)
     nh, d = spec.kda_num_heads, spec.kda_head_dim
     for i, kind in enumerate(spec.layer_types):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (h,)
-        out[p + "post_attention_layernorm.weight"] = (h,)
+        out.update(_layer_norm_shapes(p, h))
         a = p + "self_attn."
         if kind == "kda":
             for name in ("q_proj", "k_proj", "v_proj"):

@@ -112,14 +112,16 @@ _KIMI_MIXER = {
 }
 
 
-def _kimi(spec: KimiSpec) -> list[Weight]:
-    def same(hf: str, mg: str) -> Weight:
-        return Weight(mg, hf, (hf,))
+def _same(hf: str, mg: str) -> Weight:
+    """A weight both sides hold as one tensor, under its HF and its Megatron name."""
+    return Weight(mg, hf, (hf,))
 
-    out = [same("model.embed_tokens.weight", "embedding.word_embeddings.weight")]
+
+def _kimi(spec: KimiSpec) -> list[Weight]:
+    out = [_same("model.embed_tokens.weight", "embedding.word_embeddings.weight")]
     for i, kind in enumerate(spec.layer_types):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out += [same(h + hf, m + mg) for hf, mg in {**_KIMI_COMMON, **_KIMI_MIXER[kind]}.items()]
+        out += [_same(h + hf, m + mg) for hf, mg in {**_KIMI_COMMON, **_KIMI_MIXER[kind]}.items()]
         ffns = [(f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}.") for e in range(spec.n_routed_experts)]
         ffns.append((f"{h}mlp.shared_experts.", f"{m}mlp.shared_experts."))
         for hp, mp in ffns:
@@ -128,9 +130,9 @@ def _kimi(spec: KimiSpec) -> list[Weight]:
                        (hp + "gate_proj.weight", hp + "up_proj.weight"), "gate_up"),
                 Weight(mp + "linear_fc2.weight", hp + "down_proj.weight", (hp + "down_proj.weight",)),
             ]
-    out.append(same("model.norm.weight", "decoder.final_layernorm.weight"))
+    out.append(_same("model.norm.weight", "decoder.final_layernorm.weight"))
     if not spec.tie_word_embeddings:
-        out.append(same("lm_head.weight", "output_layer.weight"))
+        out.append(_same("lm_head.weight", "output_layer.weight"))
     return out
 
 
@@ -158,33 +160,30 @@ def _swiglu(hp: str, mp: str, gate: str = "gate_proj", up: str = "up_proj", down
 
 
 def _kimi_linear(spec: KimiSpec) -> list[Weight]:
-    def same(hf: str, mg: str) -> Weight:
-        return Weight(mg, hf, (hf,))
-
-    out = [same("model.embed_tokens.weight", "embedding.word_embeddings.weight")]
+    out = [_same("model.embed_tokens.weight", "embedding.word_embeddings.weight")]
     for i, kind in enumerate(spec.layer_types):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out += [same(h + "input_layernorm.weight", m + "input_layernorm.weight"),
-                same(h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight")]
+        out += [_same(h + "input_layernorm.weight", m + "input_layernorm.weight"),
+                _same(h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight")]
         if kind == "kda":
-            out += [same(h + hf, m + mg) for hf, mg in _KIMI_LINEAR_KDA.items()]
+            out += [_same(h + hf, m + mg) for hf, mg in _KIMI_LINEAR_KDA.items()]
             out.append(Weight(m + "self_attention.conv1d.weight", h + "self_attn.conv1d.weight",
                               tuple(f"{h}self_attn.{c}.weight" for c in kimi.KIMI_LINEAR_CONVS), "conv"))
         else:
-            out += [same(h + hf, m + mg) for hf, mg in _KIMI_MIXER["mla"].items() if ".indexer." not in hf]
+            out += [_same(h + hf, m + mg) for hf, mg in _KIMI_MIXER["mla"].items() if ".indexer." not in hf]
         if not spec.is_moe_layer(i):
             out += _swiglu(h + "mlp.", m + "mlp.")
             continue
         b = h + "block_sparse_moe."
-        out += [same(b + "gate.weight", m + "mlp.router.weight"),
-                same(b + "gate.e_score_correction_bias", m + "mlp.router.e_score_correction_bias")]
+        out += [_same(b + "gate.weight", m + "mlp.router.weight"),
+                _same(b + "gate.e_score_correction_bias", m + "mlp.router.e_score_correction_bias")]
         for e in range(spec.n_routed_experts):
             out += _swiglu(f"{b}experts.{e}.", f"{m}mlp.experts.local_experts.{e}.", "w1", "w3", "w2")
         if spec.n_shared_experts:
             out += _swiglu(b + "shared_experts.", m + "mlp.shared_experts.")
-    out.append(same("model.norm.weight", "decoder.final_layernorm.weight"))
+    out.append(_same("model.norm.weight", "decoder.final_layernorm.weight"))
     if not spec.tie_word_embeddings:
-        out.append(same("lm_head.weight", "output_layer.weight"))
+        out.append(_same("lm_head.weight", "output_layer.weight"))
     return out
 
 

@@ -59,3 +59,23 @@ def write_prompt_file(directory, lengths, seed: int = 0, vocab: int = 500):
     rows = [{"prompt_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in lengths]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def write_random_adapter(model_dir: str, out_dir, rank: int = 4, alpha: float = 8.0, seed: int = 0):
+    """A peft adapter on every LoRA target of a Kimi-architecture model (kimi-mini or
+    kimi-linear) with nonzero A and B (a fresh adapter has B = 0 and would test nothing)."""
+    import torch
+
+    from parity import kimi
+    from parity.model_spec import KimiSpec
+    from trainer.checkpoint import peft_config, save_peft
+
+    spec = KimiSpec.from_dir(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for fan_in, parts in kimi.lora_linears(spec).values():
+        for path, fan_out in parts:
+            tensors[kimi.peft_name(path, "A")] = torch.randn(rank, fan_in, generator=gen) * 0.1
+            tensors[kimi.peft_name(path, "B")] = torch.randn(fan_out, rank, generator=gen) * 0.1
+    save_peft(out_dir, tensors, peft_config(rank, alpha, list(kimi.LORA_TARGETS), model_dir))
+    return out_dir

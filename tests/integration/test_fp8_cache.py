@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from rl.checker import CheckArgs, load_adapter, rescore, run_check
-from tests.conftest import write_prompt_file
-from tests.integration.test_kimi_parity import write_random_adapter
+from tests.conftest import write_prompt_file, write_random_adapter
 
 PROMPT_LENS = (1, 17, 40, 130)
 

@@ -18,10 +18,8 @@ import random
 import pytest
 import torch
 
-from parity import kimi
-from parity.model_spec import KimiSpec
 from rl.checker import CheckArgs, run_check
-from tests.conftest import write_prompt_file
+from tests.conftest import write_prompt_file, write_random_adapter
 
 LENGTHS = (1, 2, 9, 70, 130)
 TOLERANCE = 1e-4
@@ -93,21 +91,6 @@ def test_rollout_prompt_logprobs_match_transformers(reference):
             assert diff < TOLERANCE, (len(s), diff)
 
 
-def _random_adapter(model_dir: str, out_dir, rank: int = 4, alpha: float = 8.0):
-    """A peft adapter with nonzero A and B on every kimi-linear LoRA target."""
-    from trainer.checkpoint import peft_config, save_peft
-
-    spec = KimiSpec.from_dir(model_dir)
-    gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for fan_in, parts in kimi.lora_linears(spec).values():
-        for path, fan_out in parts:
-            tensors[kimi.peft_name(path, "A")] = torch.randn(rank, fan_in, generator=gen) * 0.1
-            tensors[kimi.peft_name(path, "B")] = torch.randn(fan_out, rank, generator=gen) * 0.1
-    save_peft(out_dir, tensors, peft_config(rank, alpha, list(kimi.LORA_TARGETS), model_dir))
-    return out_dir
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_parity_check_bitwise_with_lora(model_factory, tmp_path, dtype):
     model_dir = model_factory("kimi-linear", dtype)
@@ -115,7 +98,7 @@ def test_parity_check_bitwise_with_lora(model_factory, tmp_path, dtype):
     args = CheckArgs(
         model=model_dir, dtype=dtype, prompts=prompts, num_prompts=3, max_tokens=4, batch_sizes=[1, 3],
         parity=True, seed=0, report=None, max_num_batched_tokens=64,
-        adapter=_random_adapter(model_dir, tmp_path / "adapter"),
+        adapter=write_random_adapter(model_dir, tmp_path / "adapter"),
     )
     result = run_check(args)
     assert len(result.completions) == 6

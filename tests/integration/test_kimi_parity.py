@@ -14,10 +14,9 @@ import json
 import pytest
 import torch
 
-from parity import kimi
 from parity.model_spec import KimiSpec
 from rl.checker import CheckArgs, run_check
-from tests.conftest import write_prompt_file
+from tests.conftest import write_prompt_file, write_random_adapter
 
 PROMPT_LENS = (1, 5, 17, 40, 130, 300)
 BATCH_SIZES = [1, 16]
@@ -29,22 +28,6 @@ CASES = [("fp32", False), ("bf16", True)]
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
     return write_prompt_file(tmp_path_factory.mktemp("prompts"), PROMPT_LENS)
-
-
-def write_random_adapter(model_dir: str, out_dir, rank: int = 4, alpha: float = 8.0, seed: int = 0):
-    """A peft adapter on every kimi-mini LoRA target with nonzero A and B (a fresh adapter has
-    B = 0 and would test nothing)."""
-    from trainer.checkpoint import peft_config, save_peft
-
-    spec = KimiSpec.from_dir(model_dir)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for fan_in, parts in kimi.lora_linears(spec).values():
-        for path, fan_out in parts:
-            tensors[kimi.peft_name(path, "A")] = torch.randn(rank, fan_in, generator=gen) * 0.1
-            tensors[kimi.peft_name(path, "B")] = torch.randn(fan_out, rank, generator=gen) * 0.1
-    save_peft(out_dir, tensors, peft_config(rank, alpha, list(kimi.LORA_TARGETS), model_dir))
-    return out_dir
 
 
 @pytest.mark.parametrize("dtype,lora", CASES, ids=[f"{d}-{'lora' if on else 'base'}" for d, on in CASES])
