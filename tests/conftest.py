@@ -79,3 +79,13 @@ def write_random_adapter(model_dir: str, out_dir, rank: int = 4, alpha: float = 
             tensors[kimi.peft_name(path, "B")] = torch.randn(fan_out, rank, generator=gen) * 0.1
     save_peft(out_dir, tensors, peft_config(rank, alpha, list(kimi.LORA_TARGETS), model_dir))
     return out_dir
+
+
+def use_transformers_kimi_linear_config() -> None:
+    """Point AutoConfig's "kimi_linear" at transformers' own KimiLinearConfig again. vLLM, when
+    it loads a kimi_linear checkpoint in this process, registers its own config class under
+    that name, and transformers' AutoModelForCausalLM has no model for vLLM's class."""
+    from transformers import AutoConfig
+    from transformers.models.kimi_linear import KimiLinearConfig
+
+    AutoConfig.register("kimi_linear", KimiLinearConfig, exist_ok=True)

@@ -19,7 +19,11 @@ import pytest
 import torch
 
 from rl.checker import CheckArgs, run_check
-from tests.conftest import write_prompt_file, write_random_adapter
+from tests.conftest import (
+    use_transformers_kimi_linear_config,
+    write_prompt_file,
+    write_random_adapter,
+)
 
 LENGTHS = (1, 2, 9, 70, 130)
 TOLERANCE = 1e-4
@@ -40,6 +44,7 @@ def _reference_model(model_dir: str):
                  "causal_conv1d_fn", "causal_conv1d_update"):
         fn = getattr(mkl, name)
         setattr(mkl, name, getattr(fn, "__wrapped__", fn))
+    use_transformers_kimi_linear_config()
     model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     return model.eval()
@@ -47,8 +52,7 @@ def _reference_model(model_dir: str):
 
 @pytest.fixture(scope="module")
 def reference(model_factory):
-    """(model dir, [logits [len, vocab] fp32 per sequence]) from transformers, computed before any
-    vLLM import (vLLM registers its own KimiLinearConfig with AutoConfig)."""
+    """(model dir, [logits [len, vocab] fp32 per sequence]) from transformers."""
     model_dir = model_factory("kimi-linear", "fp32")
     hf = _reference_model(model_dir)
     with torch.no_grad():

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from parity import kimi
 from parity.model_spec import KimiSpec, load_spec
 from rl.cli import main as cli_main
+from tests.conftest import use_transformers_kimi_linear_config
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,7 @@ def test_tensor_names_and_shapes(model_dir):
 def test_transformers_loads_it_without_missing_or_unexpected_keys(model_dir):
     from transformers import AutoModelForCausalLM
 
+    use_transformers_kimi_linear_config()
     model, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
     assert type(model).__name__ == "KimiLinearForCausalLM"
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
@@ -104,6 +106,7 @@ def test_lora_targets_are_the_checkpoint_module_names(model_dir):
 
     spec = load_spec(model_dir)
     w = load_file(str(model_dir / "model.safetensors"))
+    use_transformers_kimi_linear_config()
     hf = AutoModelForCausalLM.from_pretrained(model_dir)
     modules = dict(hf.named_modules())
     paths = [(p, n) for fan_in, parts in kimi.lora_linears(spec).values() for p, n in parts]
@@ -125,6 +128,7 @@ def test_router_matches_transformers(model_dir):
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearTopkRouter
 
     spec = load_spec(model_dir)
+    use_transformers_kimi_linear_config()
     router = KimiLinearTopkRouter(AutoConfig.from_pretrained(model_dir))
     g = torch.Generator().manual_seed(0)
     router.weight.data = torch.randn(8, 128, generator=g) * 0.3
