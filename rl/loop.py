@@ -273,7 +273,8 @@ class Run:
 
         placed = [(node, f"node {ip} (rollout worker {i})") for i, (node, ip) in enumerate(self.worker_nodes)]
         placed += [(node, f"node {ip} (trainer rank {r})") for r, (node, ip) in enumerate(self.trainer_nodes)]
-        if all(node == ray.get_runtime_context().get_node_id() for node, _ in placed):
+        here = ray.get_runtime_context().get_node_id()
+        if all(node == here for node, _ in placed):
             return []  # every actor is on the driver's node, which is alive: nothing to wait for
         end = time.monotonic() + wait_s
         while True:

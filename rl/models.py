@@ -586,6 +586,16 @@ def _float32_repr(x: float) -> float:
     return float(str(np.float32(x)))
 
 
+def bench_model(model: str, cache: Path) -> Path:
+    """A benchmark's `--model`: "smollm2" (imported into `cache` once, bf16) or a checkpoint directory."""
+    if model != "smollm2":
+        return Path(model)
+    path = cache / "smollm2"
+    if not (path / "config.json").exists():
+        import_smollm2(path, dtype="bf16")
+    return path
+
+
 def import_smollm2(out_dir: str | Path, dtype: str = "bf16", *, force: bool = False) -> Path:
     """Turn the SmolLM2-135M-Instruct GGUF (Q4_1, de-quantized) into a plain HF Llama checkpoint
     with its tokenizer and chat template; returns the path. Takes ~45 s on two CPU cores."""

@@ -50,14 +50,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench_results" / "bench_memory.json"))
     args = ap.parse_args()
 
-    if args.model == "smollm2":
-        from rl.models import import_smollm2
+    from rl.models import bench_model
 
-        path = Path(args.cache) / "smollm2"
-        if not (path / "config.json").exists():
-            import_smollm2(path, dtype="bf16")
-    else:
-        path = Path(args.model)
+    path = bench_model(args.model, Path(args.cache))
     dtype = json.loads((path / "config.json").read_text()).get("torch_dtype", "float32")
     dtype = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
     engine = RolloutEngine(str(path), dtype=dtype, multiprocess=False, max_model_len=256, max_num_seqs=8)

@@ -204,14 +204,9 @@ def main() -> None:
     args = ap.parse_args()
     load_before = os.getloadavg()
 
-    if args.model == "smollm2":
-        from rl.models import import_smollm2
+    from rl.models import bench_model
 
-        path = Path(args.cache) / "smollm2"
-        if not (path / "config.json").exists():
-            import_smollm2(path, dtype="bf16")
-    else:
-        path = Path(args.model)
+    path = bench_model(args.model, Path(args.cache))
     spec = ModelSpec.from_dir(path)
     weights = {}
     for f in sorted(path.glob("*.safetensors")):
