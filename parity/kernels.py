@@ -471,7 +471,9 @@ def _log_softmax_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def _log_softmax_forward(x: torch.Tensor) -> torch.Tensor:
-    return native.ops().log_softmax(x)
+    # A CUDA row goes to the host and back: the compiled kernel is the one implementation of
+    # the tail, so a CUDA rollout and a CUDA trainer (and a CPU one) get the same bits.
+    return native.ops().log_softmax(x.cpu()).to(x.device)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -480,10 +482,10 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     Invariant by construction: per row, the fixed-order row max, our exp, the fixed-tree row
     sum and our log, so a row's bits are a function of the row alone, on every ISA code path.
     The rollout's sampler (rollout/sampler.py) and the trainer both call this. Differentiable:
-    gradients come from torch's log-softmax. CUDA tensors (and KIMI_RL_INVARIANT_KERNELS=0)
-    keep torch's kernel.
+    gradients come from torch's log-softmax. CUDA tensors are computed on the host (one copy of
+    the logits each way); KIMI_RL_INVARIANT_KERNELS=0 keeps torch's kernel.
     """
-    if logits.is_cuda or not INVARIANT:
+    if not INVARIANT:
         return _log_softmax_reference(logits)
     if torch.is_grad_enabled() and logits.requires_grad:
         return RecomputeGrad.apply(logits, _log_softmax_forward, _log_softmax_reference)

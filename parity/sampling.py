@@ -24,9 +24,11 @@ and `parity.kernels.token_logprobs`: the same compiled ops on bitwise-equal rows
 Why it is batch invariant: every op works on one row on its own (rows are split between
 threads, never a row), and within a row every order is fixed by the row's contents alone.
 
-CUDA tensors keep torch's ops (the sort, softmax and cumsum of vLLM's sampler, torch's
-log-softmax) until the GPU port; so does KIMI_RL_INVARIANT_KERNELS=0 for the kept set and
-log-softmax. The draw (`sample_tokens`) is CPU only: a CUDA rollout keeps vLLM's own sampler.
+CUDA tensors take the same compiled ops: their rows are copied to the host and the results
+back (a CUDA rollout's sampler and a CUDA trainer alike), so a GPU run samples and scores with
+the bits a CPU run would. The division by the temperature stays on the tensor's device: an
+IEEE fp32 division is correctly rounded on both. KIMI_RL_INVARIANT_KERNELS=0 keeps torch's
+ops for the kept set and log-softmax.
 """
 
 from __future__ import annotations
@@ -102,13 +104,13 @@ def _kept_rows(rows: torch.Tensor, k: int | None, p: float | None) -> torch.Tens
 
 def _kept(rows: torch.Tensor, k: int | None, p: float | None) -> torch.Tensor:
     """bool [n, V]: the kept set of each row of scaled fp32 logits under one (k, p)."""
-    if rows.is_cuda or not kernels.INVARIANT:  # torch's ops, a bounded number of rows a sort
+    if not kernels.INVARIANT:  # torch's ops, a bounded number of rows a sort
         step = max(1, _SORT_ELEMENTS // rows.shape[-1])
         return torch.cat([_kept_rows(rows[i : i + step], k, p) for i in range(0, rows.shape[0], step)])
     n = rows.shape[0]
     top_k = torch.full((n,), k or 0, dtype=torch.int64)
     top_p = torch.full((n,), 1.0 if p is None else p, dtype=torch.float32)
-    return native.ops().kept(rows, top_k, top_p)
+    return native.ops().kept(rows.cpu(), top_k, top_p).to(rows.device)  # CUDA rows: on the host
 
 
 def processed_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

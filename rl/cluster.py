@@ -88,12 +88,12 @@ def _reload_ray_auth() -> None:
 _PLACEMENT_SHARE = 0.001
 
 
-def placement_group(num_rollout_workers: int, use_gpus: bool, trainer_ranks: int = 1,
+def placement_group(num_rollout_workers: int, gpus_per_actor: float, trainer_ranks: int = 1,
                     placement: PlacementConfig | None = None):
-    """One bundle per rollout worker, then one per trainer rank. CPU bundles ask for one
-    logical CPU each: the loop is synchronous (rollout, then training), so every actor may use
-    all cores while it works; torch threads are set per actor, not by this bundle. A role with
-    a `ray.placement` resource gets bundles only on nodes that have it."""
+    """One bundle per rollout worker, then one per trainer rank. Each asks for one logical
+    CPU (the loop is synchronous: rollout, then training, so every actor may use all cores
+    while it works; torch threads are set per actor, not by this bundle) and `gpus_per_actor`
+    of a GPU. A role with a `ray.placement` resource gets bundles only on nodes that have it."""
     import ray
     from ray.util.placement_group import placement_group as make
 
@@ -107,7 +107,7 @@ def placement_group(num_rollout_workers: int, use_gpus: bool, trainer_ranks: int
                             f"{name!r} (its custom resources: {', '.join(sorted(_custom(resources))) or 'none'})")
 
     def bundle(name: str | None) -> dict[str, float]:
-        b = {"GPU": 1.0} if use_gpus else {"CPU": 1.0}
+        b = {"CPU": 1.0} | ({"GPU": gpus_per_actor} if gpus_per_actor else {})
         return b | ({name: _PLACEMENT_SHARE} if name else {})
 
     bundles = ([bundle(placement.rollout) for _ in range(num_rollout_workers)]

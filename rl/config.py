@@ -83,6 +83,10 @@ class RayConfig:
     # None means <run_dir>/ray: Ray's temp and auth files must stay out of the user's home.
     temp_dir: str | None = setting(None, path=True)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    # The share of a GPU each rollout worker and each trainer rank asks Ray for: 0 runs them on
+    # the CPU; 0.5 puts a worker and a rank on one card (rollout.gpu_memory_utilization keeps
+    # vLLM to its part of the card's memory).
+    gpus_per_actor: float = setting(0.0, ge=0, le=1)
 
 
 @dataclass
@@ -377,6 +381,18 @@ def _check(cfg: Config, sources: _Sources) -> None:
     _check_data_reward_hooks(cfg, sources)
     _check_env(cfg, sources)
     _check_placement(cfg, sources)
+    _check_gpus(cfg, sources)
+
+
+def _check_gpus(cfg: Config, sources: _Sources) -> None:
+    """ray.gpus_per_actor on the run's own local cluster needs a CUDA device here (an
+    existing cluster's GPUs are Ray's to count)."""
+    if cfg.ray.gpus_per_actor > 0 and cfg.ray.address is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise sources.error("ray.gpus_per_actor", f"is {cfg.ray.gpus_per_actor}, but this machine has "
+                                "no CUDA device (0 runs on the CPU)")
 
 
 def _check_placement(cfg: Config, sources: _Sources) -> None:

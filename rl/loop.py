@@ -171,7 +171,8 @@ class Run:
         from trainer.backend import get_backend
 
         world = trainer_ranks(cfg)
-        self.pg = placement_group(n, use_gpus=False, trainer_ranks=world, placement=cfg.ray.placement)
+        gpus = cfg.ray.gpus_per_actor
+        self.pg = placement_group(n, gpus, trainer_ranks=world, placement=cfg.ray.placement)
         strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING",
                             # JIT-built C++ ops (deepspeed_cpu_adam) are cached in the run dir.
@@ -180,7 +181,8 @@ class Run:
         self._rendezvous = tempfile.TemporaryDirectory(prefix="kimi-rl-trainer-")
         ranks = [
             ray.remote(get_backend(cfg.trainer.backend).worker_class())
-            .options(num_cpus=1, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=n + r),
+            .options(num_cpus=1, num_gpus=gpus,
+                     scheduling_strategy=strategy(self.pg, placement_group_bundle_index=n + r),
                      runtime_env=env)
             .remote(
                 cfg.model.path, cfg.model.dtype, parity=cfg.parity.enabled, lora=cfg.lora,
@@ -194,7 +196,7 @@ class Run:
         max_len = self.max_model_len = self._max_model_len()
         self._make_worker = lambda i: (
             ray.remote(RolloutWorker)
-            .options(num_cpus=1, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=i),
+            .options(num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy(self.pg, placement_group_bundle_index=i),
                      runtime_env=env, name=f"kimi-rl-rollout-{i}")
             .remote(
                 i, cfg.model.path, dtype=cfg.model.dtype, parity=cfg.parity.enabled, seed=cfg.seed,
@@ -203,6 +205,7 @@ class Run:
                 tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                 enforce_eager=cfg.rollout.enforce_eager, adapter_layout=_reserved_layout(cfg),
                 kv_cache_dtype=cfg.rollout.kv_cache_dtype,
+                gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             )
         )
         self.workers = [self._make_worker(i) for i in range(n)]

@@ -34,6 +34,10 @@ class RolloutConfig:
     # in e4m3 with a per-token scale (parity/fp8.py), and the trainer rounds them the same way.
     # "auto": the model dtype.
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    # On a GPU: the share of the card's memory vLLM takes for weights and KV cache (vLLM's
+    # gpu_memory_utilization); the rest is the trainer's when they share a card. None keeps
+    # vLLM's default (0.9 of a card; on the CPU the same flag reserves host memory: leave it).
+    gpu_memory_utilization: float | None = setting(None, gt=0, le=1)
 
     def sampling(self) -> Sampling:
         """The sampling parameters both sides use (ValueError for a temperature vLLM would

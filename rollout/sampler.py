@@ -13,8 +13,10 @@ log-probs after it; `sample` and `compute_logprobs` are ours:
   of the raw logits at temperature 1 (vLLM's rule too);
 - `compute_logprobs` (raw log-probs, prompt log-probs) is the compiled log-softmax.
 
-Installed on a model runner by rollout.vllm_patches.install_parity_sampler (CPU platform only:
-a CUDA engine keeps vLLM's sampler until the kernels are ported).
+Installed on a model runner by rollout.vllm_patches.install_parity_sampler, on the CPU and on
+CUDA: a CUDA engine's logits rows are copied to the host for these steps (the compiled kernels
+are CPU code), so the GPU samples with the bits of the CPU. Positions need synchronous
+scheduling (RolloutEngine turns vLLM's asynchronous scheduling off for a parity engine).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class ParitySampler(Sampler):
                 raise ValueError(f"request {req_ids[i]}: a sampled request needs "
                                  f"SamplingParams.extra_args[{KEY!r}] (parity.sampling.request_key)")
             keys.append(int(extra[KEY]))
-            # Synchronous scheduling (vLLM's CPU platform forces it): the tokens sampled so far.
+            # Synchronous scheduling (vLLM's CPU platform forces it; RolloutEngine asks for it
+            # on CUDA): the tokens sampled so far.
             positions.append(len(state.output_token_ids))
         return keys, positions
 
@@ -62,19 +65,22 @@ class ParitySampler(Sampler):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         mode = logprobs_mode_override or self.logprobs_mode
         rows = logits.shape[0]
-        temperature = sampling_metadata.temperature
-        if sampling_metadata.all_greedy or temperature is None:
-            temperature = torch.zeros(rows, dtype=torch.float32)
-        greedy = temperature < _SAMPLING_EPS
         # Argmax-invariant logits processors (min-p) act before the top-k / top-p cut, as in vLLM.
         for processor in sampling_metadata.logitsprocs.argmax_invariant:
             logits = processor.apply(logits)
-        logprobs = processed_logprobs_rows(
-            logits, torch.where(greedy, 1.0, temperature.float()), sampling_metadata.top_k, sampling_metadata.top_p
-        )
+        # The compiled sampler runs on the host: a CUDA engine's logits come over and the tokens
+        # (and log-probs) go back.
+        device, logits = logits.device, logits.cpu()
+        temperature = sampling_metadata.temperature
+        if sampling_metadata.all_greedy or temperature is None:
+            temperature = torch.zeros(rows, dtype=torch.float32)
+        temperature = temperature.cpu()
+        greedy = temperature < _SAMPLING_EPS
+        top_k, top_p = (None if t is None else t.cpu() for t in (sampling_metadata.top_k, sampling_metadata.top_p))
+        logprobs = processed_logprobs_rows(logits, torch.where(greedy, 1.0, temperature.float()), top_k, top_p)
         tokens = logits.argmax(dim=-1)  # greedy rows: an exact comparison, first index on ties
         random = (~greedy).nonzero().squeeze(1).tolist()
         if random:
             keys, positions = self._keys_and_positions(rows, random)
             tokens[random] = sample_tokens(logprobs[random], keys, positions)
-        return tokens, logprobs if mode == "processed_logprobs" else None
+        return tokens.to(device), logprobs.to(device) if mode == "processed_logprobs" else None

@@ -28,7 +28,8 @@ applying (the target moved) or stops being needed (vLLM changed).
    log-probs) are the only steps that compute. `install_parity_sampler` replaces the runner's
    instance with rollout.sampler.ParitySampler, whose `sample` and `compute_logprobs` are
    parity.sampling's compiled, counter-based ones (RolloutEngine calls it on every worker right
-   after start-up). CPU only: vLLM's GPU runner keeps its sampler (the kernels are CPU code).
+   after start-up). vllm 0.24's GPU runner has the same `sampler` attribute and `_sample` call:
+   there the parity sampler copies the logits rows to the host (the kernels are CPU code).
 """
 
 from __future__ import annotations
@@ -108,15 +109,12 @@ def thaw_envs_cache() -> None:
 
 def install_parity_sampler(runner) -> bool:
     """Make `runner` (a vLLM V1 model runner) sample with rollout.sampler.ParitySampler (patch
-    5). True when installed; False on a non-CPU platform, where vLLM's sampler stays. Raises
-    when the runner no longer holds a vLLM `Sampler` in `runner.sampler` (the target moved)."""
-    from vllm.platforms import current_platform
+    5); True once installed. Raises when the runner no longer holds a vLLM `Sampler` in
+    `runner.sampler` (the target moved)."""
     from vllm.v1.sample.sampler import Sampler
 
     from rollout.sampler import ParitySampler
 
-    if not current_platform.is_cpu():
-        return False
     if not isinstance(runner.sampler, Sampler):
         raise TypeError(f"vLLM's model runner holds {type(runner.sampler).__name__} in .sampler, "
                         "not a vllm Sampler: the parity sampler hook no longer applies")

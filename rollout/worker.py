@@ -32,7 +32,7 @@ class RolloutWorker:
         self, index: int, model_dir: str, *, dtype: str, parity: bool, seed: int,
         max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int | None,
         tensor_parallel_size: int = 1, enforce_eager: bool = True, adapter_layout: AdapterLayout | None = None,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str = "auto", gpu_memory_utilization: float | None = None,
     ) -> None:
         _set_threads()
         self.index = index
@@ -43,6 +43,7 @@ class RolloutWorker:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             multiprocess=tensor_parallel_size > 1, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, adapter_layout=adapter_layout, kv_cache_dtype=kv_cache_dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
 
     def generate(

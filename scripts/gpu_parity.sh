@@ -6,7 +6,7 @@
 #   scripts/gpu_parity.sh OUT_DIR
 #
 # Runs in priority order under DEADLINE (seconds for the whole script, default 540): CUDA
-# graphs first (with a LoRA adapter too), then the rollout speed of tiny and mid Llama, then eager and stock; one log
+# graphs first (sampled at temperature 0.7 / top-p / top-k, with a LoRA adapter too), then the rollout speed of tiny and mid Llama, then eager and stock; one log
 # and one report directory per run; prints each run's table; PACK=file.tgz archives OUT_DIR.
 set -u
 OUT_DIR=${1:?usage: gpu_parity.sh OUT_DIR}
@@ -44,6 +44,7 @@ check() {  # check NAME MODEL EXTRA_ARGS...: stock models on Triton attention (n
 [ -d "$MODELS/tiny-llama-adapter" ] || $PY scripts/random_adapter.py "$MODELS/tiny-llama" \
     "$MODELS/tiny-llama-adapter" >"$OUT_DIR/init-adapter.log" 2>&1
 check llama-graphs tiny-llama --cuda-graphs on
+check llama-sampled tiny-llama --cuda-graphs on --temperature 0.7 --top-p 0.9 --top-k 20
 check llama-lora-graphs tiny-llama --cuda-graphs on --adapter "$MODELS/tiny-llama-adapter"
 check llama-lora-eager tiny-llama --adapter "$MODELS/tiny-llama-adapter"
 check mid-graphs mid-llama --cuda-graphs on
@@ -53,7 +54,6 @@ check qwen3-graphs tiny-qwen3 --cuda-graphs on
 check llama-eager tiny-llama
 check qwen3-eager tiny-qwen3
 check llama-off-graphs tiny-llama --parity off --cuda-graphs on
-check llama-sampled tiny-llama --cuda-graphs on --temperature 0.7 --top-p 0.9 --top-k 20
 echo "== total $SECONDS s"
 if [ -n "${PACK:-}" ]; then
     tar czf "$PACK" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")"

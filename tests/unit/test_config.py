@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from rl.config import (
@@ -148,6 +149,14 @@ def test_errors_name_file_line_and_key(write, body: str, line: int, key: str, ph
     if key:
         assert f": {key}: " in message, message
     assert phrase in message, message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for a machine without CUDA")
+def test_gpus_per_actor_needs_a_gpu_here(write) -> None:
+    message = error(write("ray:\n  gpus_per_actor: 0.5\n"))
+    assert ": ray.gpus_per_actor: " in message and "no CUDA device" in message, message
+    cfg = load_config(write("ray:\n  gpus_per_actor: 0.5\n  address: 127.0.0.1:6379\n"))
+    assert cfg.ray.gpus_per_actor == 0.5  # an existing cluster counts its own GPUs
 
 
 def test_is_correction_error_names_both_keys(write) -> None:

@@ -495,15 +495,18 @@ def test_gpu_attention_gradients():
 @gpu
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(1, 64), vocab=st.sampled_from([512, 2048, 49152, 151936]),
-       dtype=DTYPES, seed=st.integers(0, 2**16), pick=st.integers(0, 63))
-def test_gpu_log_softmax_row_invariant(rows, vocab, dtype, seed, pick):
-    """torch's CUDA log_softmax (the op vLLM's sampler runs) reduces a row on its own."""
-    logits = _randn(seed, rows, vocab, dtype=dtype, device="cuda")
-    i = pick % rows
-    full = kernels.log_softmax(logits)
-    assert torch.equal(kernels.log_softmax(logits[i : i + 1])[0], full[i])
-    big = torch.cat([_randn(seed + 1, 1024, vocab, dtype=dtype, device="cuda"), logits[i : i + 1]])
-    assert torch.equal(kernels.log_softmax(big)[-1], full[i])
+       dtype=DTYPES, seed=st.integers(0, 2**16), temperature=st.sampled_from([1.0, 0.7]),
+       top_p=st.sampled_from([1.0, 0.9]), top_k=st.sampled_from([0, 20]))
+def test_gpu_sampling_tail_is_the_cpu_one(rows, vocab, dtype, seed, temperature, top_p, top_k):
+    """CUDA logits get the compiled log-softmax and kept set of the CPU (parity.sampling):
+    the same bits on either device, so a CUDA rollout and a CUDA trainer agree by construction."""
+    from parity.sampling import Sampling, processed_logprobs
+
+    logits = _randn(seed, rows, vocab, dtype=dtype)
+    assert torch.equal(kernels.log_softmax(logits.cuda()).cpu(), kernels.log_softmax(logits))
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k)
+    on_gpu = processed_logprobs(logits.cuda(), sampling)
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), processed_logprobs(logits, sampling))
 
 
 # --- GPU: the decode path vLLM captures in CUDA graphs ----------------------------------------

@@ -175,7 +175,10 @@ class PolicyTrainer(PolicyStep):
     def _policy_forward(self, mb: Micro) -> tuple[Tensor, Tensor]:
         """(log-probs [B, T] of the response tokens, logits [B, W - 1, V] of the sampled
         distribution), with grad."""
-        logits = processed_logits(forward_logits(self.model, mb.ids)[:, :-1], self.sampling)
+        # A CUDA model's logits come to the host, where the batch's tensors are and where the
+        # log-prob tail runs anyway (parity.sampling's compiled ops): the loss is computed there
+        # and its gradient flows back to the device.
+        logits = processed_logits(forward_logits(self.model, mb.ids)[:, :-1].cpu(), self.sampling)
         # The same ops as sequence_logprobs (gather picks the same elements it slices), so at
         # the first minibatch the new log-probs equal the old ones bitwise: ratio exactly 1.
         logp = kernels.token_logprobs(logits, mb.ids[:, 1:]).gather(1, mb.index)
@@ -289,7 +292,7 @@ class PolicyTrainer(PolicyStep):
             tensors = lora_lib.rollout_tensors(self.model)
         else:
             tensors = megatron_to_hf(_base_state(self.model), self.spec)
-        return {k: v.detach().clone() for k, v in tensors.items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}  # the wire is host memory
 
     def state_dict(self) -> dict[str, Any]:
         """Trainable params (fp32 masters), critic, optimizer and RNG states. Like torch's
