@@ -498,15 +498,15 @@ def test_gpu_attention_gradients():
        dtype=DTYPES, seed=st.integers(0, 2**16), temperature=st.sampled_from([1.0, 0.7]),
        top_p=st.sampled_from([1.0, 0.9]), top_k=st.sampled_from([0, 20]))
 def test_gpu_sampling_tail_is_the_cpu_one(rows, vocab, dtype, seed, temperature, top_p, top_k):
-    """CUDA logits get the compiled log-softmax and kept set of the CPU (parity.sampling):
-    the same bits on either device, so a CUDA rollout and a CUDA trainer agree by construction."""
+    """CUDA logits get the compiled log-softmax, temperature division and kept set of the CPU
+    (parity.sampling): the same bits on either device, so a CUDA rollout and a CUDA trainer
+    agree by construction."""
     from parity.sampling import Sampling, processed_logprobs
 
     logits = _randn(seed, rows, vocab, dtype=dtype)
     assert torch.equal(kernels.log_softmax(logits.cuda()).cpu(), kernels.log_softmax(logits))
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k)
-    on_gpu = processed_logprobs(logits.cuda(), sampling)
-    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), processed_logprobs(logits, sampling))
+    assert torch.equal(processed_logprobs(logits.cuda(), sampling).cpu(), processed_logprobs(logits, sampling))
 
 
 # --- GPU: the decode path vLLM captures in CUDA graphs ----------------------------------------

@@ -175,10 +175,9 @@ class PolicyTrainer(PolicyStep):
     def _policy_forward(self, mb: Micro) -> tuple[Tensor, Tensor]:
         """(log-probs [B, T] of the response tokens, logits [B, W - 1, V] of the sampled
         distribution), with grad."""
-        # A CUDA model's logits come to the host, where the batch's tensors are and where the
-        # log-prob tail runs anyway (parity.sampling's compiled ops): the loss is computed there
-        # and its gradient flows back to the device.
-        logits = processed_logits(forward_logits(self.model, mb.ids)[:, :-1].cpu(), self.sampling)
+        # On a CUDA model, processed_logits returns a host copy (parity.sampling): the loss is
+        # computed next to the batch's tensors and its gradient flows back to the device.
+        logits = processed_logits(forward_logits(self.model, mb.ids)[:, :-1], self.sampling)
         # The same ops as sequence_logprobs (gather picks the same elements it slices), so at
         # the first minibatch the new log-probs equal the old ones bitwise: ratio exactly 1.
         logp = kernels.token_logprobs(logits, mb.ids[:, 1:]).gather(1, mb.index)
