@@ -83,6 +83,7 @@ def apply_lora(
         attach = [(linear, kimi_lib.KimiLoRAAdapter(linear, targets, rank, alpha))
                   for _, linear in kimi_lib.adaptable_linears(model, targets)]
     else:
+        spec.check_lora_targets(targets)  # qwen3-moe: the attention projections only
         attach = [
             (with_lora_hook(layer.get_submodule(path)), LoRAAdapter(fused, targets, spec, rank, alpha))
             for layer in model.decoder.layers

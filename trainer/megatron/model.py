@@ -19,17 +19,19 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from safetensors.torch import load_file
 
-from parity import kernels
+from parity import kernels, moe
 from parity.dtypes import torch_dtype
 from parity.model_spec import KimiSpec, ModelSpec, check_kv_cache_dtype, hf_architecture, load_spec
-from parity.tp import padded_vocab
+from parity.tp import check_tp, padded_vocab
 from trainer.megatron.convert import hf_to_megatron, shard_megatron_state
+from trainer.megatron.kimi import KimiExpert
 from trainer.megatron.layers import (
     ParityColumnParallelLinear,
     ParityCoreAttention,
@@ -55,6 +57,36 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_siz
         tensor_model_parallel_size=tp_size,
         **common_config(dtype),
     )
+
+
+class _Router(torch.nn.Module):
+    def __init__(self, num_experts: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        # Zeros: overwritten by the checkpoint (load_hf_weights loads strictly).
+        self.weight = torch.nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype))
+
+
+class SparseMoE(MegatronModule):
+    """Qwen3-MoE's sparse block in the mlp slot: `router` and `experts.local_experts.{e}`
+    (Megatron's MoE names; each expert's linear_fc1 = [gate; up]), computed by parity/moe.py,
+    the very routing and dispatch the rollout model runs. Replicated: qwen3-moe runs at TP 1."""
+
+    def __init__(self, config: TransformerConfig, spec: ModelSpec, **_):
+        super().__init__(config=config)
+        self.spec = spec
+        dt = config.params_dtype
+        self.router = _Router(spec.num_experts, spec.hidden_size, dt)
+        self.experts = torch.nn.Module()
+        self.experts.local_experts = torch.nn.ModuleList(
+            KimiExpert(spec.hidden_size, spec.moe_intermediate_size, dt) for _ in range(spec.num_experts)
+        )
+
+    def forward(self, hidden_states: torch.Tensor, **_) -> tuple[torch.Tensor, None]:
+        s = self.spec
+        h = hidden_states.reshape(-1, s.hidden_size)  # routing and experts are per row
+        experts, weights = moe.softmax_route(self.router.weight, h, s.num_experts_per_tok, s.norm_topk_prob)
+        out = moe.dispatch(self.experts.local_experts, s.num_experts, h, experts, weights)
+        return out.view_as(hidden_states), None
 
 
 def parity_block_spec(spec: ModelSpec) -> TransformerBlockSubmodules:
@@ -91,10 +123,21 @@ def parity_block_spec(spec: ModelSpec) -> TransformerBlockSubmodules:
             mlp_bda=get_bias_dropout_add,
         ),
     )
-    return TransformerBlockSubmodules(layer_specs=[layer] * spec.num_layers, layer_norm=norm)
+    sparse = dataclasses.replace(
+        layer, submodules=dataclasses.replace(
+            layer.submodules, mlp=ModuleSpec(module=SparseMoE, params={"spec": spec})
+        ),
+    )
+    return TransformerBlockSubmodules(
+        layer_specs=[sparse if spec.is_moe_layer(i) else layer for i in range(spec.num_layers)], layer_norm=norm
+    )
 
 
 def build_gpt(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 1) -> GPTModel:
+    if spec.num_experts:
+        check_tp(spec, tp_size)  # qwen3-moe: TP 1 only
+        if not parity:
+            raise ValueError("qwen3-moe has no stock Megatron model here: use parity=True")
     config = transformer_config(spec, dtype, parity, tp_size)
     common = dict(
         config=config,
