@@ -104,7 +104,10 @@ def _lora_linears(model: GPTModel):
         return
     for i, layer in enumerate(model.decoder.layers):
         for path in FUSED_MODULES.values():
-            linear = layer.get_submodule(path)
+            try:
+                linear = layer.get_submodule(path)
+            except AttributeError:  # a qwen3-moe sparse block has no fused MLP linears
+                continue
             if getattr(linear, "lora", None) is not None:
                 yield i, linear
 
