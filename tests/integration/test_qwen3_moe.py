@@ -101,7 +101,7 @@ def test_rollout_prompt_logprobs_match_transformers(reference):
             assert diff < TOLERANCE, (len(s), diff)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["bf16"])  # fp32: docs/models.md (the file stays < 3 min)
 def test_parity_check_bitwise_with_lora(model_factory, tmp_path, dtype):
     model_dir = model_factory("qwen3-moe", dtype)
     prompts = write_prompt_file(tmp_path, (1, 17, 70))

@@ -69,11 +69,19 @@ class _Router(torch.nn.Module):
 class SparseMoE(MegatronModule):
     """Qwen3-MoE's sparse block in the mlp slot: `router` and `experts.local_experts.{e}`
     (Megatron's MoE names; each expert's linear_fc1 = [gate; up]), computed by parity/moe.py,
-    the very routing and dispatch the rollout model runs. Replicated: qwen3-moe runs at TP 1."""
+    the very routing and dispatch the rollout model runs. Replicated: qwen3-moe runs at TP 1.
+    The layer spec names a subclass per model (`for_spec`): Megatron's TransformerLayer warns
+    about a ModuleSpec of a module it does not know, and this one needs no kwargs from it."""
 
-    def __init__(self, config: TransformerConfig, spec: ModelSpec, **_):
+    spec: ModelSpec
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec) -> type[SparseMoE]:
+        return type(cls.__name__, (cls,), {"spec": spec})
+
+    def __init__(self, config: TransformerConfig, **_):
         super().__init__(config=config)
-        self.spec = spec
+        spec = self.spec
         dt = config.params_dtype
         self.router = _Router(spec.num_experts, spec.hidden_size, dt)
         self.experts = torch.nn.Module()
@@ -125,7 +133,7 @@ def parity_block_spec(spec: ModelSpec) -> TransformerBlockSubmodules:
     )
     sparse = dataclasses.replace(
         layer, submodules=dataclasses.replace(
-            layer.submodules, mlp=ModuleSpec(module=SparseMoE, params={"spec": spec})
+            layer.submodules, mlp=SparseMoE.for_spec(spec)
         ),
     )
     return TransformerBlockSubmodules(
