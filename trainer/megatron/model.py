@@ -14,7 +14,10 @@ from pathlib import Path
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -141,12 +144,30 @@ def parity_block_spec(spec: ModelSpec) -> TransformerBlockSubmodules:
     )
 
 
+def _stock_moe_config(config: TransformerConfig, spec: ModelSpec) -> TransformerConfig:
+    """Stock Megatron's MoE for a qwen3-moe baseline (parity off): SequentialMLP experts under
+    the names the parity model uses, Qwen3's routing (softmax then top-k; top-k then softmax
+    is the renormalised form), no load-balancing loss (scoring only)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    # Megatron 0.16 reads te_general_gemm in its router GEMM but binds it only when Transformer
+    # Engine imports; without TE the name must exist (None: torch's matmul).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    return dataclasses.replace(
+        config, num_moe_experts=spec.num_experts, moe_router_topk=spec.num_experts_per_tok,
+        moe_ffn_hidden_size=spec.moe_intermediate_size, moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
+    )
+
+
 def build_gpt(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 1) -> GPTModel:
     if spec.num_experts:
         check_tp(spec, tp_size)  # qwen3-moe: TP 1 only
-        if not parity:
-            raise ValueError("qwen3-moe has no stock Megatron model here: use parity=True")
     config = transformer_config(spec, dtype, parity, tp_size)
+    if spec.num_experts and not parity:
+        config = _stock_moe_config(config, spec)
     common = dict(
         config=config,
         # Under TP the vocabulary is padded with zero rows to split evenly (parity/tp.py);
@@ -168,7 +189,9 @@ def build_gpt(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 
             model.output_layer.__class__ = ParityColumnParallelLinear
         else:
             model = GPTModel(
-                transformer_layer_spec=get_gpt_layer_local_spec(
+                transformer_layer_spec=get_gpt_decoder_block_spec(
+                    config, use_transformer_engine=False, normalization="RMSNorm"
+                ) if spec.num_experts else get_gpt_layer_local_spec(
                     normalization="RMSNorm", qk_layernorm=spec.qk_norm
                 ),
                 position_embedding_type="rope",
