@@ -4,8 +4,8 @@ transformers' Qwen3MoeForCausalLM:
 - the Megatron trainer's fp32 logits and the vLLM rollout's fp32 prompt log-probs match
   transformers within 1e-4 on random prompts (the reference routes with torch's softmax / topk
   and sums the experts in its own order, so the match is close, not bitwise);
-- `kimi-rl parity check` is bitwise (fp32 and bf16, with a nonzero LoRA adapter on the
-  attention projections);
+- `kimi-rl parity check` is bitwise (bf16, with a nonzero LoRA adapter on the attention
+  projections);
 - tensor parallelism and LoRA on the experts are refused with one line naming the arch.
 
 The tiny preset has layer 0 dense (mlp_only_layers) and layers 1-3 sparse (8 experts, top 2),
@@ -101,8 +101,9 @@ def test_rollout_prompt_logprobs_match_transformers(reference):
             assert diff < TOLERANCE, (len(s), diff)
 
 
-@pytest.mark.parametrize("dtype", ["bf16"])  # fp32: docs/models.md (the file stays < 3 min)
-def test_parity_check_bitwise_with_lora(model_factory, tmp_path, dtype):
+def test_parity_check_bitwise_with_lora(model_factory, tmp_path):
+    # bf16 only, so the file stays under 3 minutes on 2 cores (fp32: docs/qwen3_moe.md).
+    dtype = "bf16"
     model_dir = model_factory("qwen3-moe", dtype)
     prompts = write_prompt_file(tmp_path, (1, 17, 70))
     args = CheckArgs(

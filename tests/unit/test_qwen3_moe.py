@@ -110,3 +110,18 @@ def test_tp_and_expert_lora_refused(tiny):
     dense = ModelSpec.from_hf_config({**_config(tiny), "architectures": ["Qwen3ForCausalLM"]})
     assert dense.num_experts == 0 and not dense.is_moe_layer(1)
     dense.check_lora_targets(["gate_proj"])
+
+
+def test_train_config_refuses_expert_lora_and_deepspeed(tiny, tmp_path):
+    from rl.config import ConfigError, load_config
+
+    base = ["run_dir=" + str(tmp_path / "run"), f"model.path={tiny}"]
+    quickstart = "configs/quickstart.yaml"
+    cfg = load_config(quickstart, [*base, "lora.target_modules=[q_proj, v_proj]"])
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    with pytest.raises(ConfigError, match="lora.target_modules.*'gate_proj': qwen3-moe takes LoRA on the attention"):
+        load_config(quickstart, base)  # the default targets include the MLP projections
+    with pytest.raises(ConfigError, match="trainer.backend.*use trainer.backend megatron"):
+        load_config(quickstart, [*base, "lora.target_modules=[q_proj]", "trainer.backend=deepspeed"])
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size.*qwen3-moe runs without tensor parallelism"):
+        load_config(quickstart, [*base, "lora.target_modules=[q_proj]", "rollout.tensor_parallel_size=2"])
