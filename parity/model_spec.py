@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,7 +74,7 @@ class ModelSpec:
         # Qwen3 (and Qwen3-MoE) normalise q and k per head before RoPE; Llama does not.
         return self.arch in ("qwen3", "qwen3-moe")
 
-    def check_lora_targets(self, targets) -> None:
+    def check_lora_targets(self, targets: Iterable[str]) -> None:
         """ValueError unless LoRA can adapt `targets` on this model: on qwen3-moe, the attention
         projections only (its experts' linears take no adapter)."""
         if self.num_experts:
