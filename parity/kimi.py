@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from parity import fp8, kernels
+from parity import moe as moe_lib
 from parity.kernels import KV_BLOCK, bmm, exp, row_sum, rsqrt, sigmoid, silu, softplus
 from parity.model_spec import KimiSpec
 
@@ -292,13 +293,9 @@ def mla_attend_full(
 # --- MoE ------------------------------------------------------------------------------------------
 
 
-def _ffn(expert, x: torch.Tensor) -> torch.Tensor:
-    return expert.down_proj(kernels.silu_and_mul(expert.gate_up_proj(x)))
-
-
-def _top(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest along the last dim, best first; ties: lower index first."""
-    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+# The stable top-k and the expert dispatch are parity/moe.py's (shared with Qwen3-MoE); the
+# routing below is Kimi's.
+_top = moe_lib.top
 
 
 def route(
@@ -311,8 +308,7 @@ def route(
     topk_group groups with the best sums of their two best choice scores compete; the chosen
     experts' scores (without the bias) are renormalised (+1e-20, as the reference) and scaled
     by routed_scaling_factor. kimi-mini (no bias, one group, factor 1) reduces to plain top-k."""
-    logits = kernels.linear(h.float(), router_weight.float())  # [N, E], fp32 router
-    scores = sigmoid(logits)
+    scores = sigmoid(moe_lib.router_logits(router_weight, h))  # [N, E], fp32 router
     choice = scores if bias is None else scores + bias.float()
     groups = spec.num_expert_group
     if groups > 1:
@@ -332,22 +328,15 @@ def route(
 
 def dense_mlp(m, h: torch.Tensor) -> torch.Tensor:
     """A dense layer's SwiGLU MLP (kimi-linear's first_k_dense_replace layers)."""
-    return _ffn(m, h)
+    return moe_lib.swiglu(m, h)
 
 
 def moe(m, spec: KimiSpec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MoE feed-forward on tokens h [N, hidden]: (output [N, hidden], chosen experts [N, k])."""
     bias = m.gate.e_score_correction_bias if spec.is_linear else None
     experts, weights = route(spec, m.gate.weight, h, bias)
-    routed = h.new_zeros(h.shape[0], spec.num_experts_per_tok, h.shape[-1])
-    for e in range(spec.n_routed_experts):
-        token, slot = (experts == e).nonzero(as_tuple=True)
-        if token.numel():
-            routed = routed.index_put((token, slot), _ffn(m.experts[e], h[token]))
-    acc = _ffn(m.shared_experts, h).float() if spec.n_shared_experts else h.new_zeros(h.shape, dtype=torch.float32)
-    for slot in range(spec.num_experts_per_tok):
-        acc = acc + routed[:, slot].float() * weights[:, slot : slot + 1]
-    return acc.to(h.dtype), experts
+    shared = m.shared_experts if spec.n_shared_experts else None
+    return moe_lib.dispatch(m.experts, spec.n_routed_experts, h, experts, weights, shared), experts
 
 
 # --- checkpoint names -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from parity import fp8
 # build) is keyed by these.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "kimi-mini": "KimiMiniForCausalLM",
-    "kimi-linear": "KimiLinearForCausalLM",
+    "kimi-linear": "KimiLinearForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM",
 }
 KIMI_ARCHITECTURE = ARCHITECTURES["kimi-mini"]
 KIMI_LINEAR_ARCHITECTURE = ARCHITECTURES["kimi-linear"]
@@ -30,6 +31,10 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 KV_CACHE_DTYPE_KEY = "kimi_rl_kv_cache_dtype"
 
 
+# The LoRA targets a qwen3-moe model takes (ModelSpec.check_lora_targets).
+QWEN3_MOE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
 def parity_architecture(hf_architecture: str) -> str:
     """The name vLLM registers the parity implementation of an HF architecture under."""
     if hf_architecture not in ARCHITECTURES.values():
@@ -42,7 +47,7 @@ def parity_architecture(hf_architecture: str) -> str:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    arch: str  # "llama" | "qwen3"
+    arch: str  # "llama" | "qwen3" | "qwen3-moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -54,11 +59,33 @@ class ModelSpec:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # Qwen3-MoE: a sparse MoE feed-forward (softmax router, top num_experts_per_tok experts of
+    # moe_intermediate_size, no shared expert) in every decoder_sparse_step-th layer not in
+    # mlp_only_layers; the other layers keep the dense MLP of intermediate_size. 0 experts: dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def qk_norm(self) -> bool:
-        # Qwen3 normalises q and k per head before RoPE; Llama does not.
-        return self.arch == "qwen3"
+        # Qwen3 (and Qwen3-MoE) normalise q and k per head before RoPE; Llama does not.
+        return self.arch in ("qwen3", "qwen3-moe")
+
+    def check_lora_targets(self, targets: Iterable[str]) -> None:
+        """ValueError unless LoRA can adapt `targets` on this model: on qwen3-moe, the attention
+        projections only (its experts' linears take no adapter)."""
+        if self.num_experts:
+            mlp = [t for t in targets if t not in QWEN3_MOE_LORA_TARGETS]
+            if mlp:
+                raise ValueError(f"qwen3-moe: LoRA adapts the attention projections only "
+                                 f"({', '.join(QWEN3_MOE_LORA_TARGETS)}); got {', '.join(mlp)}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i has the sparse MoE block (transformers' Qwen3MoeDecoderLayer rule)."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @classmethod
     def from_hf_config(cls, config: dict) -> ModelSpec:
@@ -71,8 +98,9 @@ class ModelSpec:
         if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
             raise ValueError("only plain RoPE (rope_type 'default') is supported")
         num_heads = config["num_attention_heads"]
+        arch = SUPPORTED_ARCHITECTURES[arch_name]
         return cls(
-            arch=SUPPORTED_ARCHITECTURES[arch_name],
+            arch=arch,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
@@ -84,11 +112,35 @@ class ModelSpec:
             rope_theta=float(rope_theta),
             max_position_embeddings=config["max_position_embeddings"],
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            **(_qwen3_moe_fields(config) if arch == "qwen3-moe" else {}),
         )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelSpec:
         return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def _qwen3_moe_fields(config: dict) -> dict:
+    """The MoE fields of a Qwen3MoeForCausalLM config.json (published checkpoints say
+    num_experts; transformers 5 writes num_local_experts), or ValueError naming the field."""
+    n = config["num_hidden_layers"]
+    fields = dict(
+        num_experts=config.get("num_experts", config.get("num_local_experts", 0)),
+        num_experts_per_tok=config["num_experts_per_tok"],
+        moe_intermediate_size=config["moe_intermediate_size"],
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        decoder_sparse_step=config.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
+    )
+    if fields["num_experts"] < 1:
+        raise ValueError("num_experts must be >= 1")
+    if not 0 < fields["num_experts_per_tok"] <= fields["num_experts"]:
+        raise ValueError("num_experts_per_tok must be in 1..num_experts")
+    if fields["decoder_sparse_step"] < 1:
+        raise ValueError("decoder_sparse_step must be >= 1")
+    if any(not 0 <= i < n for i in fields["mlp_only_layers"]):
+        raise ValueError(f"mlp_only_layers must name layers in 0..{n - 1}")
+    return fields
 
 
 LAYER_TYPES = ("kda", "mla")

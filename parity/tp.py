@@ -39,6 +39,8 @@ def check_tp(spec, size: int) -> None:
     """ValueError unless `spec` (parity.model_spec.ModelSpec) shards evenly over `size` ranks."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size > 1 and getattr(spec, "num_experts", 0):  # the experts have no shard layout
+        raise ValueError(f"qwen3-moe runs without tensor parallelism: tensor_parallel_size must be 1, got {size}")
     for what, n in (
         ("num_attention_heads", spec.num_heads), ("num_key_value_heads", spec.num_kv_heads),
         ("intermediate_size", spec.intermediate_size),

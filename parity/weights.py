@@ -68,9 +68,12 @@ def _dense(spec: ModelSpec) -> list[Weight]:
                 Weight(m + "self_attention.q_layernorm.weight", attn + "q_norm.weight", (attn + "q_norm.weight",)),
                 Weight(m + "self_attention.k_layernorm.weight", attn + "k_norm.weight", (attn + "k_norm.weight",)),
             ]
+        out.append(Weight(m + "pre_mlp_layernorm.weight", r + "post_attention_layernorm.weight",
+                          (r + "post_attention_layernorm.weight",)))
+        if spec.is_moe_layer(i):
+            out += _qwen3_moe_block(r + "mlp.", m + "mlp.", spec.num_experts)
+            continue
         out += [
-            Weight(m + "pre_mlp_layernorm.weight", r + "post_attention_layernorm.weight",
-                   (r + "post_attention_layernorm.weight",)),
             Weight(m + "mlp.linear_fc1.weight", r + "mlp.gate_up_proj.weight",
                    (r + "mlp.gate_proj.weight", r + "mlp.up_proj.weight"), "gate_up", "gate_up", "gate_up"),
             Weight(m + "mlp.linear_fc2.weight", r + "mlp.down_proj.weight", (r + "mlp.down_proj.weight",),
@@ -79,6 +82,16 @@ def _dense(spec: ModelSpec) -> list[Weight]:
     out.append(Weight("decoder.final_layernorm.weight", "model.norm.weight", ("model.norm.weight",)))
     if not spec.tie_word_embeddings:  # tied checkpoints store no lm_head (as HF saves them)
         out.append(Weight("output_layer.weight", "lm_head.weight", ("lm_head.weight",), None, "vocab", "vocab"))
+    return out
+
+
+def _qwen3_moe_block(hp: str, mp: str, num_experts: int) -> list[Weight]:
+    """A Qwen3-MoE sparse block: the router and the experts, under Megatron's MoE names
+    (router, experts.local_experts.{e}, as kimi-mini's), replicated under TP (qwen3-moe runs
+    without it). Each expert's [gate; up] is fused as the dense MLP's."""
+    out = [_same(hp + "gate.weight", mp + "router.weight")]
+    for e in range(num_experts):
+        out += _swiglu(f"{hp}experts.{e}.", f"{mp}experts.local_experts.{e}.")
     return out
 
 
@@ -299,9 +312,15 @@ def _dense_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         base = f"model.layers.{i}."
         out[base + "input_layernorm.weight"] = (h,)
         out[base + "post_attention_layernorm.weight"] = (h,)
+        moe = spec.is_moe_layer(i)
         for target, (fan_in, fan_out) in shapes.items():
-            block = "self_attn" if target in FUSED_PARTS["qkv"] + FUSED_PARTS["o"] else "mlp"
-            out[f"{base}{block}.{target}.weight"] = (fan_out, fan_in)
+            attention = target in FUSED_PARTS["qkv"] + FUSED_PARTS["o"]
+            if attention or not moe:
+                out[f"{base}{'self_attn' if attention else 'mlp'}.{target}.weight"] = (fan_out, fan_in)
+        if moe:
+            out[base + "mlp.gate.weight"] = (spec.num_experts, h)
+            for e in range(spec.num_experts):
+                out.update(kimi._swiglu_shapes(f"{base}mlp.experts.{e}.", h, spec.moe_intermediate_size))
         if spec.qk_norm:
             out[base + "self_attn.q_norm.weight"] = (spec.head_dim,)
             out[base + "self_attn.k_norm.weight"] = (spec.head_dim,)

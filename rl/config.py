@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
-from parity.model_spec import KIMI_FORMATS
+from parity.model_spec import ARCHITECTURES, KIMI_FORMATS, QWEN3_MOE_LORA_TARGETS
 from parity.settings import setting
 from rl.errors import UserError
 from rollout.config import RolloutConfig
@@ -522,6 +522,9 @@ def _check_model_fit(cfg: Config, sources: _Sources, model_dir: Path) -> None:
             if module in KIMI_ONLY_LORA_MODULES:
                 raise err("lora.target_modules", f"{module!r} exists in the Kimi architectures' layers only, "
                           f"not in {architectures[0]}")
+            if architectures[0] == ARCHITECTURES["qwen3-moe"] and module not in QWEN3_MOE_LORA_TARGETS:
+                raise err("lora.target_modules", f"{module!r}: qwen3-moe takes LoRA on the attention "
+                          f"projections only ({', '.join(QWEN3_MOE_LORA_TARGETS)})")
     if kimi and cfg.lora.enabled and not cfg.rollout.enforce_eager:
         raise err("rollout.enforce_eager", f"is false with lora on {architectures[0]}: its parity model cannot "
                   "reserve the adapter before vLLM compiles and captures (Llama and Qwen3 can)")
@@ -586,7 +589,7 @@ def _check_deepspeed(cfg: Config, sources: _Sources, architecture: str) -> None:
     from trainer.backend import get_backend
 
     err, ds = sources.error, cfg.trainer.deepspeed
-    if architecture in KIMI_FORMATS:
+    if architecture in KIMI_FORMATS or architecture == ARCHITECTURES["qwen3-moe"]:
         raise err("trainer.backend", "deepspeed trains the HF parity models (Llama, Qwen3); "
                   f"{architecture} has none here: use trainer.backend megatron")
     if not cfg.parity.enabled:

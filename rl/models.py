@@ -45,6 +45,25 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 TOKENIZER_VOCAB = {"tiny": 512, "small": 2048}
+# qwen3-moe (Qwen3MoeForCausalLM): the layer shapes of the dense presets' sizes, every layer a
+# sparse MoE block except layer 0 (mlp_only_layers: the dense path runs too), top-k
+# renormalised as the published Qwen3-MoE checkpoints do. tiny is small enough for 2-core tests.
+QWEN3_MOE_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0],
+        max_position_embeddings=2048, initializer_range=0.1,
+    ),
+    "small": dict(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=32, intermediate_size=768, moe_intermediate_size=128, num_experts=16,
+        num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0],
+        max_position_embeddings=4096,
+    ),
+}
+QWEN3_MOE_SETTABLE = ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+                      "decoder_sparse_step", "mlp_only_layers")
 
 # kimi-mini (parity.model_spec.KimiSpec): 3 KDA : 1 MLA, every layer MoE with a shared expert.
 # index_topk is small on purpose, so that the indexer really selects at test lengths.
@@ -350,19 +369,21 @@ def _torch_dtype(dtype: str) -> Any:
 
 def model_config(arch: str, preset: str, vocab_size: int) -> PretrainedConfig:
     """The transformers config for `arch` / `preset`; token ids follow `build_tokenizer`."""
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     _check_choice("arch", arch, ARCHITECTURES)
     _check_choice("preset", preset, PRESETS)
     eos = SPECIAL_TOKENS.index(EOS)
     common = dict(
-        PRESETS[preset], vocab_size=vocab_size, rope_theta=ROPE_THETA, rms_norm_eps=RMS_NORM_EPS,
+        (QWEN3_MOE_PRESETS if arch == "qwen3-moe" else PRESETS)[preset], vocab_size=vocab_size, rope_theta=ROPE_THETA, rms_norm_eps=RMS_NORM_EPS,
         attention_bias=False, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
         architectures=[ARCHITECTURES[arch]],
     )
     if arch == "llama":
         # Tied like SmolLM2, so the tiny llama exercises the tied-embedding code paths.
         return LlamaConfig(**common, mlp_bias=False, tie_word_embeddings=True)
+    if arch == "qwen3-moe":
+        return Qwen3MoeConfig(**common, tie_word_embeddings=False)
     return Qwen3Config(**common, tie_word_embeddings=False)
 
 
@@ -438,6 +459,8 @@ def settable_keys(arch: str) -> tuple[str, ...]:
         return tuple(sorted(set(KimiSpec.__dataclass_fields__) - {"vocab_size", "tie_word_embeddings", *_LATER}))
     if arch == "kimi-linear":
         return tuple(sorted((set(KIMI_LINEAR_PRESETS["tiny"]) | set(KIMI_LINEAR_FIXED)) - {"num_hidden_layers"}))
+    if arch == "qwen3-moe":
+        return DENSE_SETTABLE + QWEN3_MOE_SETTABLE
     return DENSE_SETTABLE
 
 
@@ -465,7 +488,9 @@ def parse_overrides(arch: str, pairs: Iterable[str]) -> dict[str, Any]:
 def _check_dense_overrides(config: PretrainedConfig, overrides: dict[str, Any], tokens: int) -> None:
     """Refuse a --set shape the models cannot hold (one line naming the key)."""
     for key, value in overrides.items():
-        if key == "tie_word_embeddings":
+        if key == "mlp_only_layers":  # checked with the other MoE fields below
+            continue
+        if key in ("tie_word_embeddings", "norm_topk_prob"):
             if not isinstance(value, bool):
                 raise UserError(f"--set {key}: expected true or false, got {value!r}")
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -477,6 +502,13 @@ def _check_dense_overrides(config: PretrainedConfig, overrides: dict[str, Any], 
         raise UserError(f"--set head_dim: {config.head_dim} must be even (RoPE rotates pairs)")
     if config.vocab_size < tokens:
         raise UserError(f"--set vocab_size: {config.vocab_size} is below the tokenizer's {tokens} tokens")
+    if config.model_type == "qwen3_moe":
+        from parity.model_spec import ModelSpec
+
+        try:
+            ModelSpec.from_hf_config(config.to_dict())
+        except (ValueError, TypeError) as e:
+            raise UserError(f"--set: {e}") from None
 
 
 def _init_kimi(
@@ -537,7 +569,7 @@ def init_model(
     _check_choice("preset", preset, PRESETS)
     torch_dtype = _torch_dtype(dtype)
     _check_out_dir(out, force)  # before any work, so a bad OUT fails fast
-    max_len = PRESETS[preset]["max_position_embeddings"]
+    max_len = (QWEN3_MOE_PRESETS if arch == "qwen3-moe" else PRESETS)[preset]["max_position_embeddings"]
     tokenizer = build_tokenizer(TOKENIZER_VOCAB[preset], max_len)
     vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     config = model_config(arch, preset, vocab_size)

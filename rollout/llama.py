@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from parity import kernels, layouts, tp, weights
+from parity import kernels, layouts, moe, tp, weights
 from parity.lora import (
     FUSED_PARTS,
     TARGETS,
@@ -181,10 +181,42 @@ class ParityMLP(nn.Module):
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(h)))
 
 
+class _ExpertLinear(PackedWeight):
+    """A linear of one expert (no adapter, no TP: qwen3-moe runs at TP 1)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, packed=self.pack())
+
+
+class _Expert(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = _ExpertLinear(2 * inter, hidden, dtype=dtype)  # [gate; up]
+        self.down_proj = _ExpertLinear(hidden, inter, dtype=dtype)
+
+
+class ParitySparseMoe(nn.Module):
+    """Qwen3-MoE's sparse block: `gate` (the router) and `experts.{e}`, through parity/moe.py
+    (the routing and expert dispatch the trainer runs too)."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        self.gate = _Weight(spec.num_experts, spec.hidden_size, dtype=dtype)
+        self.experts = nn.ModuleList(
+            _Expert(spec.hidden_size, spec.moe_intermediate_size, dtype) for _ in range(spec.num_experts)
+        )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        experts, weights = moe.softmax_route(self.gate.weight, h, s.num_experts_per_tok, s.norm_topk_prob)
+        return moe.dispatch(self.experts, s.num_experts, h, experts, weights)
+
+
 class ParityDecoderLayer(nn.Module):
     def __init__(
         self, spec: ModelSpec, dtype: torch.dtype, cache_config, prefix: str,
-        tp_rank: int = 0, tp_size: int = 1,
+        tp_rank: int = 0, tp_size: int = 1, index: int = 0,
     ) -> None:
         super().__init__()
         self.eps = spec.rms_norm_eps
@@ -193,7 +225,7 @@ class ParityDecoderLayer(nn.Module):
             spec, dtype, cache_config, f"{prefix}.self_attn", tp_rank, tp_size
         )
         self.post_attention_layernorm = _Weight(spec.hidden_size, dtype=dtype)
-        self.mlp = ParityMLP(spec, dtype, tp_rank, tp_size)
+        self.mlp = ParitySparseMoe(spec, dtype) if spec.is_moe_layer(index) else ParityMLP(spec, dtype, tp_rank, tp_size)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         h = kernels.rms_norm(x, self.input_layernorm.weight, self.eps)
@@ -212,7 +244,7 @@ class ParityModel(nn.Module):
         # Replicated under TP: a lookup is exact whichever rank holds the row.
         self.embed_tokens = PackedWeight(spec.vocab_size, spec.hidden_size, dtype=dtype)  # tied: the head
         self.layers = nn.ModuleList(
-            ParityDecoderLayer(spec, dtype, cache_config, f"{prefix}.layers.{i}", tp_rank, tp_size)
+            ParityDecoderLayer(spec, dtype, cache_config, f"{prefix}.layers.{i}", tp_rank, tp_size, i)
             for i in range(spec.num_layers)
         )
         self.norm = _Weight(spec.hidden_size, dtype=dtype)
@@ -241,6 +273,7 @@ def adapter_pairs(
     scaling; ValueError otherwise) and pair its tensors: {(layer, target): (A, B)}."""
     if not tensors:
         raise ValueError("empty adapter (clear_adapter removes one)")
+    spec.check_lora_targets({m[2] for m in map(_PEFT_RE.match, tensors) if m is not None})
     if not math.isfinite(scaling):
         raise ValueError(f"scaling must be finite, got {scaling}")
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -403,16 +436,17 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
 
     def _fused_linears(self) -> Iterator[tuple[int, _FusedLinear]]:
         for i, layer in enumerate(self.model.layers):
-            for linear in (
-                layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj, layer.mlp.down_proj,
-            ):
-                yield i, linear
+            yield i, layer.self_attn.qkv_proj
+            yield i, layer.self_attn.o_proj
+            if isinstance(layer.mlp, ParityMLP):  # a sparse MoE block's experts take no adapter
+                yield i, layer.mlp.gate_up_proj
+                yield i, layer.mlp.down_proj
 
     def _adapter_pairs(self, tensors: dict[str, torch.Tensor], scaling: float):
         return adapter_pairs(self.spec, self.dtype, tensors, scaling)
 
     def _adapter_shapes(self, layout: AdapterLayout) -> dict[str, tuple[int, ...]]:
+        self.spec.check_lora_targets(layout.targets)
         return adapter_shapes(self.spec, layout)
 
     def _adapter_linears(self) -> Iterator[_FusedLinear]:

@@ -19,6 +19,7 @@ KDA_BACKEND = "KIMI_RL_KDA"
 _MODEL_CLASSES = {
     "llama": "rollout.llama:ParityLlamaForCausalLM",
     "qwen3": "rollout.qwen3:ParityQwen3ForCausalLM",
+    "qwen3-moe": "rollout.qwen3_moe:ParityQwen3MoeForCausalLM",
     "kimi-mini": "rollout.kimi:ParityKimiMiniForCausalLM",
     "kimi-linear": "rollout.kimi:ParityKimiLinearForCausalLM",
 }

@@ -1,15 +1,17 @@
 """Shape fuzzer: `kimi-rl parity check` on randomly drawn model shapes, real vLLM and Megatron.
 
-Each trial draws an architecture (Llama, Qwen3 or kimi-mini), a shape, a dtype, prompts of
-random lengths, batch sizes and a per-step token budget (chunked prefill on), writes a
-random-init checkpoint, runs `kimi-rl parity check --parity on` on it in a subprocess and
-records what fraction of sampled tokens got bit-identical log-probs on both sides. Shapes are
-drawn off the usual multiples on purpose: head_dim any even value 8..256, GQA groups 1..8,
-odd intermediate sizes and vocabularies, tied or untied embeddings, 1..4 layers; kimi-mini
-draws its KDA/MLA layer pattern, experts, top-k and indexer top-k. Prints a table and writes
+Each trial draws an architecture (Llama, Qwen3, kimi-mini; Qwen3-MoE with --arch qwen3-moe),
+a shape, a dtype, prompts of random lengths, batch sizes and a per-step token budget (chunked
+prefill on), writes a random-init checkpoint, runs `kimi-rl parity check --parity on` on it in a
+subprocess and records what fraction of sampled tokens got bit-identical log-probs on both
+sides. Shapes are drawn off the usual multiples on purpose: head_dim any even value 8..256, GQA
+groups 1..8, odd intermediate sizes and vocabularies, tied or untied embeddings, 1..4 layers;
+kimi-mini draws its KDA/MLA layer pattern, experts, top-k and indexer top-k; qwen3-moe a Qwen3
+shape plus experts, top-k, expert width, norm_topk_prob, decoder_sparse_step and
+mlp_only_layers. Prints a table and writes
 JSON (one row per trial: shape, dtype, batch sizes, prompt lengths, tokens, bitwise fraction).
 
-    python scripts/fuzz_parity.py --trials 20 --seed 0 [--arch llama,qwen3,kimi-mini] [--pinned]
+    python scripts/fuzz_parity.py --trials 20 --seed 0 [--arch llama,qwen3,kimi-mini,qwen3-moe] [--pinned]
         [--start I | --only I,J,...] [--isa-mix] [--draw-sampling] [--out bench_results/fuzz_parity.json]
 
 Exit status 1 if any trial is not fully bitwise (or fails to run), 0 otherwise.
@@ -28,7 +30,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ARCHS = ("llama", "qwen3", "kimi-mini")
+ARCHS = ("llama", "qwen3", "kimi-mini", "qwen3-moe")
+# The default --arch list: the one the recorded streams (docs/fuzz_*.json) drew with. An arch
+# added later is opt-in (--arch ...,qwen3-moe), so trial i of an old seed draws what it drew.
+DEFAULT_ARCHS = ("llama", "qwen3", "kimi-mini")
 DTYPES = ("fp32", "bf16")
 TOKENIZER_SIZE = 512  # rl.models' "tiny" tokenizer: a vocabulary is at least this large
 
@@ -98,6 +103,20 @@ def draw_kimi(rng: random.Random) -> dict:
     )
 
 
+def draw_qwen3_moe(rng: random.Random) -> dict:
+    """A Qwen3 shape plus a sparse MoE: experts, top-k, expert width, renormalisation, the
+    sparse step and which layers stay dense (mlp_only_layers)."""
+    shape = draw_dense(rng, "qwen3")
+    layers, experts = shape["num_hidden_layers"], rng.randint(1, 12)
+    shape.update(
+        num_experts=experts, num_experts_per_tok=rng.randint(1, min(experts, 4)),
+        moe_intermediate_size=rng.randint(8, 200), norm_topk_prob=rng.random() < 0.5,
+        decoder_sparse_step=rng.randint(1, 2),
+        mlp_only_layers=sorted(rng.sample(range(layers), rng.randint(0, layers - 1))),
+    )
+    return shape
+
+
 def fix_kimi(shape: dict) -> dict:
     """Nudge a drawn kimi-mini shape into the constraints (v_head_dim <= qk head dim; a cache
     entry width divisible by 4: it fills the key and value halves of a vLLM cache slot, whose
@@ -121,7 +140,10 @@ ODD_QWEN3 = Trial(
 
 def draw_trial(rng: random.Random, index: int, archs: list[str]) -> Trial:
     arch = rng.choice(archs)
-    shape = fix_kimi(draw_kimi(rng)) if arch == "kimi-mini" else draw_dense(rng, arch)
+    if arch == "kimi-mini":
+        shape = fix_kimi(draw_kimi(rng))
+    else:
+        shape = draw_qwen3_moe(rng) if arch == "qwen3-moe" else draw_dense(rng, arch)
     return Trial(
         index=index, arch=arch, dtype=rng.choice(DTYPES), shape=shape,
         batch_sizes=sorted(rng.sample(range(1, 41), rng.randint(1, 3))),
@@ -156,6 +178,8 @@ def write_dense_model(arch: str, shape: dict, dtype: str, seed: int, out: Path) 
     base = model_config(arch, "tiny", shape["vocab_size"])
     fields = {**base.to_dict(), **shape}
     fields.pop("layer_types", None)  # derived from num_hidden_layers again
+    if "num_experts" in shape:  # transformers keeps it as num_local_experts
+        fields["num_local_experts"] = fields.pop("num_experts")
     config = type(base)(**fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -233,9 +257,13 @@ def shape_text(trial: Trial) -> str:
         return (f"h{s['hidden_size']} {pattern} kda{s['kda_num_heads']}x{s['kda_head_dim']} "
                 f"mla{s['num_attention_heads']} r{s['kv_lora_rank']} e{s['n_routed_experts']}/"
                 f"top{s['num_experts_per_tok']} idx{s['index_topk']}")
+    moe = ""
+    if trial.arch == "qwen3-moe":
+        moe = (f" e{s['num_experts']}/top{s['num_experts_per_tok']} m{s['moe_intermediate_size']}"
+               f"{' norm' if s['norm_topk_prob'] else ''} step{s['decoder_sparse_step']} dense{s['mlp_only_layers']}")
     return (f"h{s['hidden_size']} L{s['num_hidden_layers']} q{s['num_attention_heads']}/kv"
             f"{s['num_key_value_heads']} d{s['head_dim']} i{s['intermediate_size']} "
-            f"v{s['vocab_size']}{' tied' if s['tie_word_embeddings'] else ''}")
+            f"v{s['vocab_size']}{' tied' if s['tie_word_embeddings'] else ''}{moe}")
 
 
 def conditions_text(trial: Trial) -> str:
@@ -297,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start", type=int, default=0, help="first trial index of the seed's stream")
-    parser.add_argument("--arch", default=",".join(ARCHS), help="comma-separated subset of " + ",".join(ARCHS))
+    parser.add_argument("--arch", default=",".join(DEFAULT_ARCHS),
+                        help="comma-separated subset of " + ",".join(ARCHS) + " (default: the first three)")
     parser.add_argument("--only", default="", help="comma-separated trial indices of the seed's stream to run")
     parser.add_argument("--pinned", action="store_true", help="also run the odd-shaped Qwen3 case of issue 13")
     parser.add_argument("--isa-mix", action="store_true",

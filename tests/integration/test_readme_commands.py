@@ -23,7 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # The pages whose `bash` blocks are run, in reading order (the README's commands make the
 # models the pages after it use).
-DOCS = ["README.md", "docs/parity_check.md", "docs/tensor_parallel.md", "docs/kimi.md", "docs/train.md",
+DOCS = ["README.md", "docs/parity_check.md", "docs/tensor_parallel.md", "docs/kimi.md", "docs/qwen3_moe.md",
+        "docs/train.md",
         "docs/hooks.md", "docs/agentic.md", "docs/deepspeed.md", "docs/development.md", "docs/design.md", "docs/benchmarks.md",
         "docs/fuzz.md", "docs/faults_and_security.md", "docs/gpu_summary.md", "docs/README.md",
         "docs/trainer_scale.md", "docs/cluster.md"]
@@ -59,6 +60,9 @@ SHRINK: dict[str, str] = {
     "--max-tokens 8 --max-num-batched-tokens 32 --kv-cache-dtype fp8": SMALL_CHECK,
     ".venv/bin/kimi-rl model init --arch kimi-linear --preset tiny --seed 0 --dtype bf16 models/kl-tiny": "",
     ".venv/bin/kimi-rl parity check --model models/kl-tiny --dtype bf16 --batch-sizes 1,3 --num-prompts 3 "
+    "--max-tokens 4 --max-num-batched-tokens 64": SMALL_CHECK,
+    ".venv/bin/kimi-rl model init --arch qwen3-moe --preset tiny --seed 0 models/q3m-tiny": "",
+    ".venv/bin/kimi-rl parity check --model models/q3m-tiny --dtype bf16 --batch-sizes 1,3 --num-prompts 3 "
     "--max-tokens 4 --max-num-batched-tokens 64": SMALL_CHECK,
     ".venv/bin/kimi-rl train configs/quickstart.yaml": " total_steps=2",
     ".venv/bin/kimi-rl train configs/quickstart.yaml --print-config": "",

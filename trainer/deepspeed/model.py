@@ -217,6 +217,8 @@ def load_hf_model(model_dir: str | Path, dtype: str = "fp32") -> nn.Module:
     spec = load_spec(model_dir)
     if isinstance(spec, KimiSpec):
         raise ValueError("kimi-mini has no HF transformers model: use the Megatron trainer backend")
+    if spec.num_experts:  # to_parity re-classes dense MLPs; a sparse MoE block has none
+        raise ValueError("qwen3-moe has no HF parity model (DeepSpeed backend): use the Megatron trainer backend")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
     return to_parity(model, spec)
 

@@ -83,6 +83,7 @@ def apply_lora(
         attach = [(linear, kimi_lib.KimiLoRAAdapter(linear, targets, rank, alpha))
                   for _, linear in kimi_lib.adaptable_linears(model, targets)]
     else:
+        spec.check_lora_targets(targets)  # qwen3-moe: the attention projections only
         attach = [
             (with_lora_hook(layer.get_submodule(path)), LoRAAdapter(fused, targets, spec, rank, alpha))
             for layer in model.decoder.layers
@@ -103,7 +104,10 @@ def _lora_linears(model: GPTModel):
         return
     for i, layer in enumerate(model.decoder.layers):
         for path in FUSED_MODULES.values():
-            linear = layer.get_submodule(path)
+            try:
+                linear = layer.get_submodule(path)
+            except AttributeError:  # a qwen3-moe sparse block has no fused MLP linears
+                continue
             if getattr(linear, "lora", None) is not None:
                 yield i, linear
 

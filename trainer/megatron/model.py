@@ -14,22 +14,27 @@ from pathlib import Path
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from safetensors.torch import load_file
 
-from parity import kernels
+from parity import kernels, moe
 from parity.dtypes import torch_dtype
 from parity.model_spec import KimiSpec, ModelSpec, check_kv_cache_dtype, hf_architecture, load_spec
-from parity.tp import padded_vocab
+from parity.tp import check_tp, padded_vocab
 from trainer.megatron.convert import hf_to_megatron, shard_megatron_state
+from trainer.megatron.kimi import KimiExpert
 from trainer.megatron.layers import (
     ParityColumnParallelLinear,
     ParityCoreAttention,
@@ -55,6 +60,44 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_siz
         tensor_model_parallel_size=tp_size,
         **common_config(dtype),
     )
+
+
+class _Router(torch.nn.Module):
+    def __init__(self, num_experts: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        # Zeros: overwritten by the checkpoint (load_hf_weights loads strictly).
+        self.weight = torch.nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype))
+
+
+class SparseMoE(MegatronModule):
+    """Qwen3-MoE's sparse block in the mlp slot: `router` and `experts.local_experts.{e}`
+    (Megatron's MoE names; each expert's linear_fc1 = [gate; up]), computed by parity/moe.py,
+    the very routing and dispatch the rollout model runs. Replicated: qwen3-moe runs at TP 1.
+    The layer spec names a subclass per model (`for_spec`): Megatron's TransformerLayer warns
+    about a ModuleSpec of a module it does not know, and this one needs no kwargs from it."""
+
+    spec: ModelSpec
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec) -> type[SparseMoE]:
+        return type(cls.__name__, (cls,), {"spec": spec})
+
+    def __init__(self, config: TransformerConfig, **_):
+        super().__init__(config=config)
+        spec = self.spec
+        dt = config.params_dtype
+        self.router = _Router(spec.num_experts, spec.hidden_size, dt)
+        self.experts = torch.nn.Module()
+        self.experts.local_experts = torch.nn.ModuleList(
+            KimiExpert(spec.hidden_size, spec.moe_intermediate_size, dt) for _ in range(spec.num_experts)
+        )
+
+    def forward(self, hidden_states: torch.Tensor, **_) -> tuple[torch.Tensor, None]:
+        s = self.spec
+        h = hidden_states.reshape(-1, s.hidden_size)  # routing and experts are per row
+        experts, weights = moe.softmax_route(self.router.weight, h, s.num_experts_per_tok, s.norm_topk_prob)
+        out = moe.dispatch(self.experts.local_experts, s.num_experts, h, experts, weights)
+        return out.view_as(hidden_states), None
 
 
 def parity_block_spec(spec: ModelSpec) -> TransformerBlockSubmodules:
@@ -91,11 +134,40 @@ def parity_block_spec(spec: ModelSpec) -> TransformerBlockSubmodules:
             mlp_bda=get_bias_dropout_add,
         ),
     )
-    return TransformerBlockSubmodules(layer_specs=[layer] * spec.num_layers, layer_norm=norm)
+    sparse = dataclasses.replace(
+        layer, submodules=dataclasses.replace(
+            layer.submodules, mlp=SparseMoE.for_spec(spec)
+        ),
+    )
+    return TransformerBlockSubmodules(
+        layer_specs=[sparse if spec.is_moe_layer(i) else layer for i in range(spec.num_layers)], layer_norm=norm
+    )
+
+
+def _stock_moe_config(config: TransformerConfig, spec: ModelSpec) -> TransformerConfig:
+    """Stock Megatron's MoE for a qwen3-moe baseline (parity off): SequentialMLP experts under
+    the names the parity model uses, Qwen3's routing (softmax then top-k; top-k then softmax
+    is the renormalised form), no load-balancing loss (scoring only)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    # Megatron 0.16 reads te_general_gemm in its router GEMM but binds it only when Transformer
+    # Engine imports; without TE the name must exist (None: torch's matmul).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    return dataclasses.replace(
+        config, num_moe_experts=spec.num_experts, moe_router_topk=spec.num_experts_per_tok,
+        moe_ffn_hidden_size=spec.moe_intermediate_size, moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
+    )
 
 
 def build_gpt(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 1) -> GPTModel:
+    if spec.num_experts:
+        check_tp(spec, tp_size)  # qwen3-moe: TP 1 only
     config = transformer_config(spec, dtype, parity, tp_size)
+    if spec.num_experts and not parity:
+        config = _stock_moe_config(config, spec)
     common = dict(
         config=config,
         # Under TP the vocabulary is padded with zero rows to split evenly (parity/tp.py);
@@ -117,7 +189,9 @@ def build_gpt(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 
             model.output_layer.__class__ = ParityColumnParallelLinear
         else:
             model = GPTModel(
-                transformer_layer_spec=get_gpt_layer_local_spec(
+                transformer_layer_spec=get_gpt_decoder_block_spec(
+                    config, use_transformer_engine=False, normalization="RMSNorm"
+                ) if spec.num_experts else get_gpt_layer_local_spec(
                     normalization="RMSNorm", qk_layernorm=spec.qk_norm
                 ),
                 position_embedding_type="rope",
