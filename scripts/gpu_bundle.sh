@@ -14,6 +14,8 @@
 #                                              vllm/_C_stable_libtorch.abi3.so (110 MB), gzip
 #                                              (83 MiB), in two halves: each fits one 64 MiB
 #                                              transfer on its own, not next to the wheels
+#   OUT_DIR/train_a, OUT_DIR/train_b           what `kimi-rl train` adds (Ray in two halves,
+#                                              wandb, reasoning-gym, gguf and their needs)
 set -euo pipefail
 TARGET=${1:?usage: gpu_bundle.sh TARGET_PACKAGES [OUT_DIR]}
 OUT_DIR=${2:-.gpu}
@@ -27,7 +29,7 @@ $PY -m pip download -q --no-deps "${PLAT[@]}" -d "$OUT_DIR/wheels" megatron-core
 $PY -m pip download -q --no-deps "${PLAT[@]}" -d "$OUT_DIR/vllm" vllm==0.24.0
 
 $PY - "$TARGET" "$OUT_DIR" "${PLAT[@]}" <<'EOF'
-import glob, gzip, re, shutil, subprocess, sys, zipfile
+import glob, gzip, os, re, shutil, subprocess, sys, zipfile
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name as cn
 
@@ -54,29 +56,53 @@ def requirements(whl):
             if r.marker is None or r.marker.evaluate(env):
                 yield r
 
-def have():
-    return {cn(re.split(r"-\d", w.split("/")[-1])[0]): w for w in glob.glob(f"{out}/wheels/vdeps/*.whl")}
+def have(dest):
+    return {cn(re.split(r"-\d", w.split("/")[-1])[0]): w for w in glob.glob(f"{dest}/*.whl")}
+
+def resolve(todo, dest):
+    """Download the requirements in `todo`, and theirs, that the machine lacks, into dest."""
+    wanted = set()
+    while todo:
+        batch = []
+        for r in todo:
+            n = cn(r.name)
+            if n in present or n in skip or n in wanted:
+                continue
+            wanted.add(n)
+            batch.append(override.get(n, f"{r.name}{r.specifier}"))
+        todo = []
+        for spec in batch:
+            done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *plat,
+                                   "-d", dest, spec], capture_output=True, text=True)
+            if done.returncode:
+                print("not found:", spec)
+                continue
+            todo += requirements(have(dest)[cn(Requirement(spec).name)])
+    return wanted
 
 todo = list(requirements(glob.glob(f"{out}/vllm/vllm-0.24.0-*.whl")[0]))
 todo.append(Requirement("apache-tvm-ffi"))  # xgrammar's, skipped above as vLLM's pin
-wanted = set()
-while todo:
-    batch = []
-    for r in todo:
-        n = cn(r.name)
-        if n in present or n in skip or n in wanted:
-            continue
-        wanted.add(n)
-        batch.append(override.get(n, f"{r.name}{r.specifier}"))
-    todo = []
-    for spec in batch:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *plat,
-                               "-d", f"{out}/wheels/vdeps", spec], capture_output=True, text=True)
-        if done.returncode:
-            print("not found:", spec)
-            continue
-        todo += requirements(have()[cn(Requirement(spec).name)])
-print(len(have()), "dependency wheels")
+present |= resolve(todo, f"{out}/wheels/vdeps")
+print(len(have(f"{out}/wheels/vdeps")), "dependency wheels")
+
+# What `kimi-rl train` needs beyond vLLM and Megatron (Ray, wandb, reasoning-gym, the GGUF
+# reader for SmolLM2), in two carry-sized parts: Ray's wheel (79 MB) split in halves, one
+# half per part, the other wheels shared out by size.
+tdeps = f"{out}/train_wheels"
+resolve([Requirement(x) for x in ("ray==2.60.0", "wandb", "reasoning-gym", "gguf")], tdeps)
+ray = glob.glob(f"{tdeps}/ray-*.whl")[0]
+blob = open(ray, "rb").read()
+parts = [f"{out}/train_a", f"{out}/train_b"]
+for part, piece in zip(parts, (blob[: len(blob) // 2], blob[len(blob) // 2 :])):
+    shutil.rmtree(part, ignore_errors=True)
+    os.makedirs(part)
+    open(f"{part}/{os.path.basename(ray)}.part{parts.index(part)}", "wb").write(piece)
+sizes = [len(blob) // 2, len(blob) - len(blob) // 2]
+for w in sorted(set(glob.glob(f"{tdeps}/*.whl")) - {ray}, key=os.path.getsize, reverse=True):
+    i = sizes.index(min(sizes))
+    shutil.copy(w, parts[i])
+    sizes[i] += os.path.getsize(w)
+print("train parts (MiB):", [round(x / 2**20, 1) for x in sizes])
 
 # vLLM without the CUDA extensions that do not fit (flash-attention 2/3, MoE, FlashMLA, the
 # vllm-rs binary, DeepGEMM / FMHA sources). Its core extension travels separately (below).

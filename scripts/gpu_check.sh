@@ -9,7 +9,8 @@
 # dependencies the machine lacks (docs/gpu.md says how they were made). Each stage has its own
 # time limit and log; a failing stage does not stop the next. STAGES=tests,bench,trainer,vllm,check
 # picks stages (vllm: the import, check: the parity check); DEADLINE=SECONDS caps the whole run;
-# C_PIECES="a b" names the pieces of vLLM's core extension.
+# C_PIECES="a b" names the pieces of vLLM's core extension; TRAIN_DIRS="a b" the two parts of
+# what `kimi-rl train` adds (scripts/gpu_bundle.sh: train_a, train_b).
 set -u
 OUT_DIR=${1:-bench_results/gpu}
 WHEELS=${2:-.gpu/wheels}
@@ -52,6 +53,15 @@ if [ -n "${C_PIECES:-}" ] && [ ! -f "$SITE/vllm/_C_stable_libtorch.abi3.so" ]; t
     # vLLM's core CUDA extension, carried in pieces (scripts/gpu_bundle.sh); it replaces the
     # stand-in module of the slim zip
     cat $C_PIECES | gunzip >"$SITE/vllm/_C_stable_libtorch.abi3.so" && rm -f "$SITE/vllm/_C_stable_libtorch.py"
+fi
+if [ -n "${TRAIN_DIRS:-}" ] && [ ! -f "$SITE/.train-installed" ]; then
+    # What `kimi-rl train` adds (scripts/gpu_bundle.sh): Ray's wheel in halves, the rest whole.
+    parts=$(find $TRAIN_DIRS -name 'ray-*.whl.part*' | awk -F.part '{print $NF, $0}' | sort -n | cut -d' ' -f2-)
+    ray="/tmp/$(basename "$(echo "$parts" | head -1)" .part0)"
+    cat $parts >"$ray"
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$ray" \
+        $(find $TRAIN_DIRS -name '*.whl') >"$OUT_DIR/install-train.log" 2>&1 \
+        && touch "$SITE/.train-installed" || { echo "pip install (train) failed"; tail "$OUT_DIR/install-train.log"; }
 fi
 echo "== install: $((SECONDS - t0)) s"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
