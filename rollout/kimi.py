@@ -265,10 +265,18 @@ def kda_state_shapes(spec: KimiSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 class _Indexer(nn.Module):
-    def __init__(self, spec: KimiSpec, lin: _Linears, prefix: str) -> None:
+    """kimi-mini's indexer (wq on the hidden state), or on kimi-linear DeepSeek-V3.2's (wq_b on
+    the query latent, k_norm a LayerNorm with a bias)."""
+
+    def __init__(self, spec: KimiSpec, lin: _Linears, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
-        h = spec.hidden_size
-        self.wq = lin(spec.index_n_heads * spec.index_head_dim, h, f"{prefix}.wq")
+        h, width = spec.hidden_size, spec.index_n_heads * spec.index_head_dim
+        if spec.is_linear:
+            self.wq_b = lin(width, spec.q_lora_rank, f"{prefix}.wq_b")
+            self.k_norm = _Weight(spec.index_head_dim, dtype=dtype)
+            self.k_norm.bias = _param(spec.index_head_dim, dtype=dtype)
+        else:
+            self.wq = lin(width, h, f"{prefix}.wq")
         self.wk = lin(spec.index_head_dim, h, f"{prefix}.wk")
         self.weights_proj = lin(spec.index_n_heads, h, f"{prefix}.weights_proj")
 
@@ -282,13 +290,18 @@ class ParityMla(nn.Module):
         super().__init__()
         self.spec = spec
         h, hm = spec.hidden_size, spec.num_attention_heads
-        self.q_proj = lin(hm * spec.qk_head_dim, h, f"{prefix}.q_proj")
+        if spec.q_lora_rank:
+            self.q_a_proj = lin(spec.q_lora_rank, h, f"{prefix}.q_a_proj")
+            self.q_a_layernorm = _Weight(spec.q_lora_rank, dtype=dtype)
+            self.q_b_proj = lin(hm * spec.qk_head_dim, spec.q_lora_rank, f"{prefix}.q_b_proj")
+        else:
+            self.q_proj = lin(hm * spec.qk_head_dim, h, f"{prefix}.q_proj")
         self.kv_a_proj_with_mqa = lin(spec.kv_lora_rank + spec.qk_rope_head_dim, h, f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = _Weight(spec.kv_lora_rank, dtype=dtype)
         self.kv_b_proj = lin(hm * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank, f"{prefix}.kv_b_proj")
         self.o_proj = lin(h, hm * spec.v_head_dim, f"{prefix}.o_proj")
         if spec.has_indexer:
-            self.indexer = _Indexer(spec, lin, f"{prefix}.indexer")
+            self.indexer = _Indexer(spec, lin, dtype, f"{prefix}.indexer")
         # Never called: it owns the paged cache (one "head" of one entry per token) and makes
         # vLLM build the parity attention metadata for this layer.
         self.slot_width = spec.mla_slot_width(dtype.itemsize)
