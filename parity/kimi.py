@@ -10,7 +10,7 @@ engines add their LoRA delta inside it through `adapted_linear`):
   (kimi-mini) or g_a_proj -> g_b_proj (kimi-linear), conv1d.weight [3HD, K] (kimi-linear's
   q/k/v_conv1d stacked), dt_bias [HD], A_log (H values, any shape), o_norm.weight [D].
 - MLA: q_proj (kimi-linear with q_lora_rank: q_a_proj, q_a_layernorm.weight, q_b_proj)
-  kv_a_proj_with_mqa kv_b_proj o_proj, kv_a_layernorm.weight [C], and with an indexer
+  kv_a_proj_with_mqa kv_b_proj o_proj (kimi-linear with mla_use_output_gate: g_proj too), kv_a_layernorm.weight [C], and with an indexer
   indexer.wq indexer.wk indexer.weights_proj (kimi-mini) or DeepSeek-V3.2's indexer.wq_b
   indexer.wk indexer.k_norm.{weight,bias} indexer.weights_proj (kimi-linear).
 - MoE: gate.weight [E, h] (router; kimi-linear: gate.e_score_correction_bias [E] too),
@@ -298,12 +298,28 @@ def indexer_topk(
     return torch.where(rank < count.unsqueeze(1), selected, 0), count
 
 
+def mla_gate(m, spec: KimiSpec, h: torch.Tensor) -> torch.Tensor | None:
+    """The MLA output gate's pre-activation g_proj(h) [N, Hm * dv] for the layer's input h, or
+    None without one (spec.mla_output_gate: kimi-linear's mla_use_output_gate)."""
+    return m.g_proj(h) if spec.mla_output_gate else None
+
+
+def _mla_output(m, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """o_proj of the attention output [N, Hm * dv], gated element-wise by sigmoid(gate) first
+    when there is a gate. The gate is Kimi K3's (vLLM 0.32,
+    vllm/models/kimi_k3/nvidia/mla.py: `attn_out * g_proj(hidden_states).sigmoid()` before
+    o_proj); here the sigmoid and the product run in fp32 and round once to the model dtype."""
+    if gate is not None:
+        out = (out.float() * sigmoid(gate.float())).to(out.dtype)
+    return m.o_proj(out)
+
+
 def mla_attend(
     m, spec: KimiSpec, q: torch.Tensor, ctx: torch.Tensor, q_seq: torch.Tensor,
-    selected: torch.Tensor, count: torch.Tensor,
+    selected: torch.Tensor, count: torch.Tensor, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA over the indexer's positions. ctx [R, L, entry width]: each sequence's cache entries
-    (mla_entries) at positions 0..L-1. Returns the o_proj output [N, hidden]."""
+    (mla_entries) at positions 0..L-1; gate: mla_gate's. Returns the o_proj output [N, hidden]."""
     n = q.shape[0]
     hm, dn, dr, dc, dv = (
         spec.num_attention_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim,
@@ -318,15 +334,17 @@ def mla_attend(
     out = kernels.attention(
         q, k, v, torch.arange(n), count - 1, kernels.attention_scale(dn + dr)
     )[..., :dv]
-    return m.o_proj(out.reshape(n, hm * dv))
+    return _mla_output(m, out.reshape(n, hm * dv), gate)
 
 
 def mla_attend_full(
     m, spec: KimiSpec, q: torch.Tensor, ctx: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA without an indexer (kimi-linear): each query over every key of its sequence up to
     its position. ctx [R, L, width]: each sequence's cache entries at positions 0..L-1 (rows
-    past a sequence's end are never attended). Returns the o_proj output [N, hidden].
+    past a sequence's end are never attended); gate: mla_gate's. Returns the o_proj output
+    [N, hidden].
 
     Each sequence's latents are expanded once with kv_b_proj (row-wise invariant, so a key's
     bits do not depend on how many keys are expanded with it) and attended with
@@ -342,7 +360,7 @@ def mla_attend_full(
     k = torch.cat([kv[..., :dn], k_pe], dim=-1)
     v = F.pad(kv[..., dn:], (0, dn + dr - dv))
     out = kernels.attention(q, k, v, q_seq, q_pos, kernels.attention_scale(dn + dr))[..., :dv]
-    return m.o_proj(out.reshape(n, hm * dv))
+    return _mla_output(m, out.reshape(n, hm * dv), gate)
 
 
 # --- MoE ------------------------------------------------------------------------------------------
@@ -510,6 +528,8 @@ def _kimi_linear_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
             out[a + "o_proj.weight"] = (h, nh * d)
         else:
             out.update(_mla_shapes(spec, a))
+            if spec.mla_output_gate:
+                out[a + "g_proj.weight"] = (spec.num_attention_heads * spec.v_head_dim, h)
             if spec.has_indexer:  # DeepSeek-V3.2's names (transformers' DeepseekV32Indexer)
                 x = a + "indexer."
                 out[x + "wq_b.weight"] = (spec.index_n_heads * spec.index_head_dim, spec.q_lora_rank)

@@ -151,6 +151,9 @@ class KimiSpec:
     # kimi-linear: a low-rank query (q_a_proj -> q_a_layernorm -> q_b_proj) instead of q_proj;
     # 0: none. The indexer's wq_b reads its latent, as DeepSeek-V3.2's does.
     q_lora_rank: int = 0
+    # kimi-linear's mla_use_output_gate (Kimi K3): o_proj(attn * sigmoid(g_proj(h))), g_proj
+    # [Hm * v_head_dim, hidden] on the MLA layer's input.
+    mla_output_gate: bool = False
     # Not a checkpoint field: the run's MLA cache format ("auto": the model dtype; "fp8": e4m3
     # with a per-token scale per entry part, parity/fp8.py), set from KV_CACHE_DTYPE_KEY.
     kv_cache_dtype: str = "auto"
@@ -244,7 +247,8 @@ class KimiSpec:
             "moe_layer_freq": (config.get("moe_layer_freq", 1), 1),
             "moe_router_activation_func": (config.get("moe_router_activation_func", "sigmoid"), "sigmoid"),
             "num_nextn_predict_layers": (config.get("num_nextn_predict_layers", 0), 0),
-            "mla_use_output_gate": (config.get("mla_use_output_gate", False), False),
+            # Kimi K3's attention residuals (vLLM's kimi_k3 KimiDecoderLayer attn_res): not built
+            "attn_res_block_size": (config.get("attn_res_block_size"), None),
         }
         for key, (value, wanted) in refused.items():
             if value != wanted:
@@ -281,6 +285,7 @@ class KimiSpec:
             v_head_dim=config["v_head_dim"],
             index_n_heads=index["index_n_heads"], index_head_dim=index["index_head_dim"], index_topk=index_topk,
             q_lora_rank=q_lora_rank,
+            mla_output_gate=bool(config.get("mla_use_output_gate", False)),
             n_routed_experts=config["num_experts"],
             num_experts_per_tok=config["num_experts_per_token"],
             moe_intermediate_size=config["moe_intermediate_size"],
@@ -330,7 +335,7 @@ class KimiSpec:
 _LATER = (
     "hf_format", "mla_use_nope", "kv_norm_eps", "first_k_dense_replace", "intermediate_size",
     "routed_scaling_factor", "moe_renormalize", "num_expert_group", "topk_group", "kv_cache_dtype",
-    "q_lora_rank",
+    "q_lora_rank", "mla_output_gate",
 )
 KV_A_LAYERNORM_EPS = 1e-6
 

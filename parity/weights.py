@@ -161,7 +161,8 @@ def _swiglu(hp: str, mp: str, gate: str = "gate_proj", up: str = "up_proj", down
 
 def _kimi_linear_mla(spec: KimiSpec) -> dict[str, str]:
     """kimi-linear's MLA names (HF -> Megatron): kimi-mini's without its indexer, the low-rank
-    query with q_lora_rank, DeepSeek-V3.2's indexer with index_topk."""
+    query with q_lora_rank, the output gate with mla_use_output_gate, DeepSeek-V3.2's indexer
+    with index_topk."""
     out = {hf: mg for hf, mg in _KIMI_MIXER["mla"].items() if ".indexer." not in hf}
     if spec.q_lora_rank:
         del out["self_attn.q_proj.weight"]
@@ -170,6 +171,8 @@ def _kimi_linear_mla(spec: KimiSpec) -> dict[str, str]:
             "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
             "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight",
         })
+    if spec.mla_output_gate:
+        out["self_attn.g_proj.weight"] = "self_attention.linear_g_proj.weight"
     if spec.has_indexer:
         out.update({
             "self_attn.indexer.wq_b.weight": "self_attention.indexer.linear_wq_b.weight",

@@ -99,6 +99,7 @@ KIMI_LINEAR_FIXED: dict[str, Any] = dict(
 # also needs q_lora_rank), e.g. --set q_lora_rank=64 --set index_n_heads=4 --set index_head_dim=32
 # --set index_topk=16 on tiny.
 KIMI_LINEAR_INDEXER_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
+# Kimi K3's MLA output gate (--set mla_use_output_gate=true) is settable too.
 ROPE_THETA = 10000.0
 RMS_NORM_EPS = 1e-6
 VOCAB_MULTIPLE = 64  # embedding rows padded so the vocab splits evenly under tensor parallelism
@@ -441,7 +442,8 @@ def settable_keys(arch: str) -> tuple[str, ...]:
     if arch == "kimi-mini":
         return tuple(sorted(set(KimiSpec.__dataclass_fields__) - {"vocab_size", "tie_word_embeddings", *_LATER}))
     if arch == "kimi-linear":
-        keys = set(KIMI_LINEAR_PRESETS["tiny"]) | set(KIMI_LINEAR_FIXED) | set(KIMI_LINEAR_INDEXER_KEYS)
+        keys = (set(KIMI_LINEAR_PRESETS["tiny"]) | set(KIMI_LINEAR_FIXED) | set(KIMI_LINEAR_INDEXER_KEYS)
+                | {"mla_use_output_gate"})
         return tuple(sorted(keys - {"num_hidden_layers"}))
     return DENSE_SETTABLE
 

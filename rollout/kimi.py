@@ -300,6 +300,8 @@ class ParityMla(nn.Module):
         self.kv_a_layernorm = _Weight(spec.kv_lora_rank, dtype=dtype)
         self.kv_b_proj = lin(hm * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank, f"{prefix}.kv_b_proj")
         self.o_proj = lin(h, hm * spec.v_head_dim, f"{prefix}.o_proj")
+        if spec.mla_output_gate:
+            self.g_proj = lin(hm * spec.v_head_dim, h, f"{prefix}.g_proj")
         if spec.has_indexer:
             self.indexer = _Indexer(spec, lin, dtype, f"{prefix}.indexer")
         # Never called: it owns the paged cache (one "head" of one entry per token) and makes
@@ -325,10 +327,11 @@ class ParityMla(nn.Module):
             return out
         q, ctx, selected, count = self.select(meta, positions, h)
         n = meta.num_query_tokens
+        gate = kimi.mla_gate(self, self.spec, h[:n])
         if selected is None:  # no indexer (kimi-linear): every earlier key
-            out[:n] = kimi.mla_attend_full(self, self.spec, q, ctx, meta.q_seq, meta.q_pos)
+            out[:n] = kimi.mla_attend_full(self, self.spec, q, ctx, meta.q_seq, meta.q_pos, gate)
         else:
-            out[:n] = kimi.mla_attend(self, self.spec, q, ctx, meta.q_seq, selected, count)
+            out[:n] = kimi.mla_attend(self, self.spec, q, ctx, meta.q_seq, selected, count, gate)
         return out
 
     def select(self, meta, positions: torch.Tensor, h: torch.Tensor):

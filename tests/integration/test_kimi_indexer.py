@@ -2,7 +2,7 @@
 q_lora_rank=48 --set index_n_heads=4 --set index_head_dim=32 --set index_topk=16`) on real
 vLLM and Megatron: `kimi-rl parity check` is bitwise with a nonzero LoRA adapter on every
 target (q_a_proj / q_b_proj included), in fp32 with the model-dtype cache and in bf16 with an
-FP8 cache (the index key e4m3 under its own per-token scale). Prompts of 1-130 tokens, so the
+FP8 cache (the index key e4m3 under its own per-token scale) and Kimi K3's MLA output gate. Prompts of 1-130 tokens, so the
 indexer keeps 16 of up to 137 keys, and a 64-token step budget (chunked prefill, mixed steps).
 The scores and the selection against transformers' DeepseekV32Indexer: tests/unit/test_kimi_indexer.py.
 """
@@ -19,11 +19,12 @@ PROMPT_LENS = (1, 17, 40, 130)
 INDEXER = dict(q_lora_rank=48, index_n_heads=4, index_head_dim=32, index_topk=16)
 
 
-@pytest.mark.parametrize("dtype,kv_cache_dtype", [("fp32", "auto"), ("bf16", "fp8")])
-def test_parity_check_bitwise_with_the_indexer(tmp_path, dtype, kv_cache_dtype):
+@pytest.mark.parametrize("dtype,kv_cache_dtype,gate", [("fp32", "auto", False), ("bf16", "fp8", True)])
+def test_parity_check_bitwise_with_the_indexer(tmp_path, dtype, kv_cache_dtype, gate):
     from rl.models import init_model
 
-    model_dir = str(init_model("kimi-linear", "tiny", 0, tmp_path / "model", dtype, overrides=INDEXER))
+    overrides = {**INDEXER, "mla_use_output_gate": gate}
+    model_dir = str(init_model("kimi-linear", "tiny", 0, tmp_path / "model", dtype, overrides=overrides))
     args = CheckArgs(
         model=model_dir, dtype=dtype, prompts=write_prompt_file(tmp_path, PROMPT_LENS),
         num_prompts=len(PROMPT_LENS), max_tokens=8, batch_sizes=[1, 4], parity=True, seed=0, report=None,

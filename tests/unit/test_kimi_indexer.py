@@ -1,7 +1,9 @@
-"""kimi-linear's sparse indexer (DeepSeek-V3.2's, on the MLA layers): `model init --set` writes
-its config fields and transformers' DeepseekV32Indexer tensor names; KimiSpec refuses an
-incomplete config with one line naming the field; the scores and the top-k selection of
-`parity.kimi` equal transformers' own DeepseekV32Indexer with the same weights copied in."""
+"""kimi-linear's K3 additions. The sparse indexer (DeepSeek-V3.2's, on the MLA layers): `model
+init --set` writes its config fields and transformers' DeepseekV32Indexer tensor names; KimiSpec
+refuses an incomplete config with one line naming the field; the scores and the top-k selection
+of `parity.kimi` equal transformers' own DeepseekV32Indexer with the same weights copied in.
+The MLA output gate (mla_use_output_gate): its tensor and its formula; attn_res_block_size is
+refused."""
 
 from __future__ import annotations
 
@@ -162,3 +164,57 @@ def test_scores_and_selection_match_transformers_deepseek_v32_indexer(model_dir)
     assert torch.equal(ours.isinf(), ref_scores.isinf())
     finite = ~ref_scores.isinf()
     assert (ours[finite] - ref_scores[finite]).abs().max() < 1e-5 * ref_scores[finite].abs().max()
+
+
+def test_transformers_loads_a_low_rank_query_without_missing_or_unexpected_keys(tmp_path):
+    """q_lora_rank alone (no indexer): q_a_proj / q_a_layernorm / q_b_proj are the names
+    transformers' KimiLinearForCausalLM holds."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import use_transformers_kimi_linear_config
+
+    out = tmp_path / "lowrank"
+    argv = ["model", "init", "--arch", "kimi-linear", "--preset", "tiny", "--seed", "0",
+            "--set", "q_lora_rank=48", str(out)]
+    assert cli_main(argv) == 0
+    use_transformers_kimi_linear_config()
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert "model.layers.3.self_attn.q_b_proj.weight" in load_file(str(out / "model.safetensors"))
+
+
+def test_output_gate_tensor_and_formula(tmp_path):
+    """`--set mla_use_output_gate=true` adds self_attn.g_proj [Hm * dv, hidden] to the MLA
+    layer; the output is o_proj(attn * sigmoid(g_proj(h))) (Kimi K3's gate, as vLLM's kimi_k3
+    MLA applies it)."""
+    out = tmp_path / "gated"
+    argv = ["model", "init", "--arch", "kimi-linear", "--preset", "tiny", "--seed", "0",
+            "--set", "mla_use_output_gate=true", str(out)]
+    assert cli_main(argv) == 0
+    spec = load_spec(out)
+    assert spec.mla_output_gate and not spec.has_indexer
+    w = load_file(str(out / "model.safetensors"))
+    assert tuple(w["model.layers.3.self_attn.g_proj.weight"].shape) == (4 * 32, 128)
+
+    g = torch.Generator().manual_seed(0)
+    a = "model.layers.3.self_attn."
+    m = torch.nn.Module()
+    for name in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "g_proj"):
+        setattr(m, name, lambda x, weight=w[a + name + ".weight"]: kimi.kernels.linear(x, weight))
+    m.kv_a_layernorm = torch.nn.Module()
+    m.kv_a_layernorm.weight = w[a + "kv_a_layernorm.weight"]
+    m.o_proj = lambda x: x  # to see the gated attention output itself
+    n = 20
+    h, positions = torch.randn(n, 128, generator=g), torch.arange(n)
+    q, entry, _, _ = kimi.mla_entries(m, spec, h, positions)
+    zeros = torch.zeros(n, dtype=torch.int64)
+    plain = kimi.mla_attend_full(m, spec, q, entry[None], zeros, positions)
+    gate = kimi.mla_gate(m, spec, h)
+    gated = kimi.mla_attend_full(m, spec, q, entry[None], zeros, positions, gate)
+    want = plain * torch.sigmoid(h @ w[a + "g_proj.weight"].T)
+    assert (gated - want).abs().max() < 1e-6 and (gated - plain).abs().max() > 1e-3
+
+
+def test_spec_refuses_attention_residuals(model_dir):
+    with pytest.raises(ValueError, match="attn_res_block_size: 2 is not supported"):
+        KimiSpec.from_hf_config({**_config(model_dir), "attn_res_block_size": 2})

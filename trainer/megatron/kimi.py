@@ -238,6 +238,8 @@ class KimiMLA(MegatronModule):
         self.kv_layernorm = _Weight((spec.kv_lora_rank,), dt, 1.0)
         self.linear_kv_up_proj = KimiLinear(spec.kv_lora_rank, hm * (spec.qk_nope_head_dim + spec.v_head_dim), dt)
         self.linear_proj = KimiLinear(hm * spec.v_head_dim, h, dt)
+        if spec.mla_output_gate:
+            self.linear_g_proj = KimiLinear(h, hm * spec.v_head_dim, dt)
         if spec.has_indexer:
             self.indexer = KimiIndexer(spec, dt)
         prefix, parts = f"model.layers.{self.layer_index}.self_attn.", _lora_parts(spec)
@@ -254,6 +256,7 @@ class KimiMLA(MegatronModule):
     q_a_proj = property(lambda self: self.linear_q_down_proj)
     q_a_layernorm = property(lambda self: self.q_layernorm)
     q_b_proj = property(lambda self: self.linear_q_up_proj)
+    g_proj = property(lambda self: self.linear_g_proj)
     kv_a_proj_with_mqa = property(lambda self: self.linear_kv_down_proj)
     kv_a_layernorm = property(lambda self: self.kv_layernorm)
     kv_b_proj = property(lambda self: self.linear_kv_up_proj)
@@ -264,10 +267,11 @@ class KimiMLA(MegatronModule):
         device = hidden_states.device
         positions = torch.arange(s, device=device).repeat(b)
         q_seq = torch.arange(b, device=device).repeat_interleave(s)
-        q, entry, index_q, index_w = kimi.mla_entries(self, spec, _flat(hidden_states), positions)
-        ctx = entry.view(b, s, -1)
+        h = _flat(hidden_states)
+        q, entry, index_q, index_w = kimi.mla_entries(self, spec, h, positions)
+        ctx, gate = entry.view(b, s, -1), kimi.mla_gate(self, spec, h)
         if not spec.has_indexer:  # kimi-linear: every earlier key
-            return _unflat(kimi.mla_attend_full(self, spec, q, ctx, q_seq, positions), s, b), None
+            return _unflat(kimi.mla_attend_full(self, spec, q, ctx, q_seq, positions, gate), s, b), None
         # Top-k is discrete: no gradient reaches the indexer through it, so skip its graph.
         with torch.no_grad():
             selected, count = kimi.indexer_topk(
@@ -275,13 +279,13 @@ class KimiMLA(MegatronModule):
             )
         if self.trace is not None:
             self.trace["selected"] = selected
-        out = kimi.mla_attend(self, spec, q, ctx, q_seq, selected, count)
+        out = kimi.mla_attend(self, spec, q, ctx, q_seq, selected, count, gate)
         return _unflat(out, s, b), None
 
 
 _MLA_LINEARS = {
     "linear_q_proj": "q_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa",
-    "linear_q_down_proj": "q_a_proj", "linear_q_up_proj": "q_b_proj",
+    "linear_q_down_proj": "q_a_proj", "linear_q_up_proj": "q_b_proj", "linear_g_proj": "g_proj",
     "linear_kv_up_proj": "kv_b_proj", "linear_proj": "o_proj",
     "indexer.linear_wq": "indexer.wq", "indexer.linear_wq_b": "indexer.wq_b", "indexer.linear_wk": "indexer.wk",
     "indexer.linear_weights_proj": "indexer.weights_proj",
