@@ -18,7 +18,9 @@ engines add their LoRA delta inside it through `adapted_linear`):
   fused, as Megatron holds them); a dense layer's MLP: gate_up_proj / down_proj.
 
 Both formats compute the function of their reference: kimi-linear is transformers'
-KimiLinearForCausalLM (tests/integration/test_kimi_linear.py compares logits).
+KimiLinearForCausalLM (tests/integration/test_kimi_linear.py compares logits), its optional
+indexer transformers' DeepseekV32Indexer (tests/unit/test_kimi_indexer.py), its optional MLA
+output gate Kimi K3's as vLLM's kimi_k3 model applies it.
 
 Why each piece is batch invariant and identical between decode and training:
 

@@ -9,7 +9,8 @@ equal to the trainer's. Per layer (the trainer runs exactly this):
 then `rms_norm(x, norm)`; logits `linear(x, embed_tokens)` (tied; kimi-linear: `lm_head`),
 log-probs by vLLM's sampler. The same classes run kimi-linear checkpoints (the published Kimi
 Linear format, registered as `KimiRLParityKimiLinearForCausalLM`): the spec's format picks the
-low-rank KDA gate, MLA over every earlier key without RoPE or indexer, the MoE under
+low-rank KDA gate, MLA without RoPE over every earlier key (or, with DeepSeek-V3.2's indexer
+fields, over its top-k; optionally a low-rank query and K3's output gate), the MoE under
 `block_sparse_moe` (dense `mlp` in the first first_k_dense_replace layers) and its routing.
 
 Per-request state lives in vLLM's caches, so vLLM schedules, preempts and frees it:
