@@ -9,14 +9,18 @@ engines add their LoRA delta inside it through `adapted_linear`):
 - KDA: q_proj k_proj v_proj f_a_proj f_b_proj b_proj o_proj, the output gate g_proj
   (kimi-mini) or g_a_proj -> g_b_proj (kimi-linear), conv1d.weight [3HD, K] (kimi-linear's
   q/k/v_conv1d stacked), dt_bias [HD], A_log (H values, any shape), o_norm.weight [D].
-- MLA: q_proj kv_a_proj_with_mqa kv_b_proj o_proj, kv_a_layernorm.weight [C], and with an
-  indexer (kimi-mini) indexer.wq indexer.wk indexer.weights_proj.
+- MLA: q_proj (kimi-linear with q_lora_rank: q_a_proj, q_a_layernorm.weight, q_b_proj)
+  kv_a_proj_with_mqa kv_b_proj o_proj (kimi-linear with mla_use_output_gate: g_proj too), kv_a_layernorm.weight [C], and with an indexer
+  indexer.wq indexer.wk indexer.weights_proj (kimi-mini) or DeepSeek-V3.2's indexer.wq_b
+  indexer.wk indexer.k_norm.{weight,bias} indexer.weights_proj (kimi-linear).
 - MoE: gate.weight [E, h] (router; kimi-linear: gate.e_score_correction_bias [E] too),
   experts[e].gate_up_proj / down_proj, shared_experts.gate_up_proj / down_proj ([gate; up]
   fused, as Megatron holds them); a dense layer's MLP: gate_up_proj / down_proj.
 
 Both formats compute the function of their reference: kimi-linear is transformers'
-KimiLinearForCausalLM (tests/integration/test_kimi_linear.py compares logits).
+KimiLinearForCausalLM (tests/integration/test_kimi_linear.py compares logits), its optional
+indexer transformers' DeepseekV32Indexer (tests/unit/test_kimi_indexer.py), its optional MLA
+output gate Kimi K3's as vLLM's kimi_k3 model applies it.
 
 Why each piece is batch invariant and identical between decode and training:
 
@@ -193,7 +197,12 @@ def mla_entries(
     and the index outputs are None."""
     n = h.shape[0]
     hm, dn, dr, dc = spec.num_attention_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
-    q = m.q_proj(h).view(n, hm, dn + dr)
+    q_latent = None
+    if spec.q_lora_rank:
+        q_latent = kernels.rms_norm(m.q_a_proj(h), m.q_a_layernorm.weight, spec.kv_layernorm_eps)
+        q = m.q_b_proj(q_latent).view(n, hm, dn + dr)
+    else:
+        q = m.q_proj(h).view(n, hm, dn + dr)
     kv = m.kv_a_proj_with_mqa(h)
     latent = kernels.rms_norm(kv[:, :dc], m.kv_a_layernorm.weight, spec.kv_layernorm_eps)
     k_pe = kv[:, dc:]
@@ -203,21 +212,58 @@ def mla_entries(
         k_pe = kernels.apply_rope(k_pe.reshape(n, 1, dr), positions, table).view(n, dr)
     if not spec.has_indexer:
         return q, _cached(spec, torch.cat([latent.to(h.dtype), k_pe], dim=-1)), None, None
-    entry = _cached(spec, torch.cat([latent.to(h.dtype), k_pe, m.indexer.wk(h)], dim=-1))
-    index_q = m.indexer.wq(h).view(n, spec.index_n_heads, spec.index_head_dim).float()
-    index_w = m.indexer.weights_proj(h).float()
+    if spec.is_linear:
+        index_q, index_k, index_w = _v32_index_inputs(m.indexer, spec, h, q_latent, positions)
+    else:
+        index_k = m.indexer.wk(h)
+        index_q = m.indexer.wq(h).view(n, spec.index_n_heads, spec.index_head_dim).float()
+        index_w = m.indexer.weights_proj(h).float()
+    entry = _cached(spec, torch.cat([latent.to(h.dtype), k_pe, index_k], dim=-1))
     return q, entry, index_q, index_w
 
 
-def indexer_topk(
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch.nn.LayerNorm over the last dim, in fp32, cast back to x's dtype. Row-wise: the mean
+    and the variance are row_sums in a fixed order, the rest is element-wise."""
+    xf = x.float()
+    d = xf.shape[-1]
+    centered = xf - (row_sum(xf) / d).unsqueeze(-1)
+    inv = rsqrt(row_sum(centered * centered) / d + eps).unsqueeze(-1)
+    return (centered * inv * weight.float() + bias.float()).to(x.dtype)
+
+
+V32_K_NORM_EPS = 1e-6  # DeepseekV32Indexer builds k_norm as nn.LayerNorm(index_head_dim, eps=1e-6)
+
+
+def _v32_index_inputs(
+    ix, spec: KimiSpec, h: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kimi-linear's indexer inputs, DeepSeek-V3.2's function (transformers'
+    DeepseekV32Indexer.forward): index queries wq_b(q latent) [N, hI, dI] and the index key
+    k_norm(wk(h)) [N, dI] (LayerNorm with a bias), both with rotate-half RoPE on their first
+    qk_rope_head_dim dims (the indexer rotates even where the MLA keys are NoPE); head weights
+    weights_proj(h) * hI^-0.5 * dI^-0.5, the reference's softmax scale folded in (it multiplies
+    ReLU'd dots by dI^-0.5, a positive factor, so where it sits changes rounding only).
+    Returns (index_q fp32, index_k in h's dtype, as cached, index_w fp32)."""
+    n, hi, di, dr = h.shape[0], spec.index_n_heads, spec.index_head_dim, spec.qk_rope_head_dim
+    table = kernels.rope_table(dr, spec.rope_theta, spec.max_position_embeddings)
+    q = ix.wq_b(q_latent).view(n, hi, di)
+    q = torch.cat([kernels.apply_rope(q[..., :dr].contiguous(), positions, table), q[..., dr:]], dim=-1)
+    k = _layer_norm(ix.wk(h), ix.k_norm.weight, ix.k_norm.bias, V32_K_NORM_EPS)
+    k_rot = kernels.apply_rope(k[:, :dr].reshape(n, 1, dr).contiguous(), positions, table).view(n, dr)
+    k = torch.cat([k_rot, k[:, dr:]], dim=-1)
+    w = ix.weights_proj(h).float() * (hi**-0.5 * di**-0.5)
+    return q.float(), k, w
+
+
+def indexer_scores(
     spec: KimiSpec, index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor,
     q_seq: torch.Tensor, q_pos: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sparse indexer: I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over causal s, top-k.
+) -> torch.Tensor:
+    """The indexer's scores I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) for s <= t, -inf
+    elsewhere: [N, Lp] fp32, Lp = L rounded up to whole key blocks and to at least index_topk.
 
-    index_k [R, L, dI]: each sequence's index keys at positions 0..L-1. Returns (selected
-    [N, topk] int64 positions in ascending order, padded with 0; count [N] = min(t + 1, topk)).
-    """
+    index_k [R, L, dI]: each sequence's index keys at positions 0..L-1."""
     n, topk = index_q.shape[0], spec.index_topk
     length = index_k.shape[1]
     padded = max(-(-length // KV_BLOCK) * KV_BLOCK, topk)
@@ -234,6 +280,18 @@ def indexer_topk(
         block = row_sum(weighted.transpose(1, 2))  # [r, B], summed over index heads
         valid = (start + offsets).unsqueeze(0) <= q_pos[rows].unsqueeze(1)
         scores[rows, start : start + KV_BLOCK] = block.masked_fill(~valid, -math.inf)
+    return scores
+
+
+def indexer_topk(
+    spec: KimiSpec, index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor,
+    q_seq: torch.Tensor, q_pos: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse indexer's top-k of `indexer_scores` (same arguments). Returns (selected
+    [N, topk] int64 positions in ascending order, padded with 0; count [N] = min(t + 1, topk))."""
+    topk = spec.index_topk
+    scores = indexer_scores(spec, index_q, index_w, index_k, q_seq, q_pos)
+    padded = scores.shape[1]
     # Stable: equal scores keep position order. Positions past t score -inf and sort last.
     best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
     count = torch.clamp(q_pos + 1, max=topk)
@@ -243,12 +301,28 @@ def indexer_topk(
     return torch.where(rank < count.unsqueeze(1), selected, 0), count
 
 
+def mla_gate(m, spec: KimiSpec, h: torch.Tensor) -> torch.Tensor | None:
+    """The MLA output gate's pre-activation g_proj(h) [N, Hm * dv] for the layer's input h, or
+    None without one (spec.mla_output_gate: kimi-linear's mla_use_output_gate)."""
+    return m.g_proj(h) if spec.mla_output_gate else None
+
+
+def _mla_output(m, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """o_proj of the attention output [N, Hm * dv], gated element-wise by sigmoid(gate) first
+    when there is a gate. The gate is Kimi K3's (vLLM 0.32,
+    vllm/models/kimi_k3/nvidia/mla.py: `attn_out * g_proj(hidden_states).sigmoid()` before
+    o_proj); here the sigmoid and the product run in fp32 and round once to the model dtype."""
+    if gate is not None:
+        out = (out.float() * sigmoid(gate.float())).to(out.dtype)
+    return m.o_proj(out)
+
+
 def mla_attend(
     m, spec: KimiSpec, q: torch.Tensor, ctx: torch.Tensor, q_seq: torch.Tensor,
-    selected: torch.Tensor, count: torch.Tensor,
+    selected: torch.Tensor, count: torch.Tensor, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA over the indexer's positions. ctx [R, L, entry width]: each sequence's cache entries
-    (mla_entries) at positions 0..L-1. Returns the o_proj output [N, hidden]."""
+    (mla_entries) at positions 0..L-1; gate: mla_gate's. Returns the o_proj output [N, hidden]."""
     n = q.shape[0]
     hm, dn, dr, dc, dv = (
         spec.num_attention_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim,
@@ -263,15 +337,17 @@ def mla_attend(
     out = kernels.attention(
         q, k, v, torch.arange(n), count - 1, kernels.attention_scale(dn + dr)
     )[..., :dv]
-    return m.o_proj(out.reshape(n, hm * dv))
+    return _mla_output(m, out.reshape(n, hm * dv), gate)
 
 
 def mla_attend_full(
     m, spec: KimiSpec, q: torch.Tensor, ctx: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA without an indexer (kimi-linear): each query over every key of its sequence up to
     its position. ctx [R, L, width]: each sequence's cache entries at positions 0..L-1 (rows
-    past a sequence's end are never attended). Returns the o_proj output [N, hidden].
+    past a sequence's end are never attended); gate: mla_gate's. Returns the o_proj output
+    [N, hidden].
 
     Each sequence's latents are expanded once with kv_b_proj (row-wise invariant, so a key's
     bits do not depend on how many keys are expanded with it) and attended with
@@ -287,7 +363,7 @@ def mla_attend_full(
     k = torch.cat([kv[..., :dn], k_pe], dim=-1)
     v = F.pad(kv[..., dn:], (0, dn + dr - dv))
     out = kernels.attention(q, k, v, q_seq, q_pos, kernels.attention_scale(dn + dr))[..., :dv]
-    return m.o_proj(out.reshape(n, hm * dv))
+    return _mla_output(m, out.reshape(n, hm * dv), gate)
 
 
 # --- MoE ------------------------------------------------------------------------------------------
@@ -392,8 +468,16 @@ def _layer_norm_shapes(p: str, h: int) -> dict[str, tuple[int, ...]]:
 
 def _mla_shapes(spec: KimiSpec, a: str) -> dict[str, tuple[int, ...]]:
     h, hm = spec.hidden_size, spec.num_attention_heads
+    if spec.q_lora_rank:
+        query = {
+            a + "q_a_proj.weight": (spec.q_lora_rank, h),
+            a + "q_a_layernorm.weight": (spec.q_lora_rank,),
+            a + "q_b_proj.weight": (hm * spec.qk_head_dim, spec.q_lora_rank),
+        }
+    else:
+        query = {a + "q_proj.weight": (hm * spec.qk_head_dim, h)}
     return {
-        a + "q_proj.weight": (hm * spec.qk_head_dim, h),
+        **query,
         a + "kv_a_proj_with_mqa.weight": (spec.kv_lora_rank + spec.qk_rope_head_dim, h),
         a + "kv_a_layernorm.weight": (spec.kv_lora_rank,),
         a + "kv_b_proj.weight": (hm * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank),
@@ -435,6 +519,15 @@ def _kimi_linear_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
             out[a + "o_proj.weight"] = (h, nh * d)
         else:
             out.update(_mla_shapes(spec, a))
+            if spec.mla_output_gate:
+                out[a + "g_proj.weight"] = (spec.num_attention_heads * spec.v_head_dim, h)
+            if spec.has_indexer:  # DeepSeek-V3.2's names (transformers' DeepseekV32Indexer)
+                x = a + "indexer."
+                out[x + "wq_b.weight"] = (spec.index_n_heads * spec.index_head_dim, spec.q_lora_rank)
+                out[x + "wk.weight"] = (spec.index_head_dim, h)
+                out[x + "k_norm.weight"] = (spec.index_head_dim,)
+                out[x + "k_norm.bias"] = (spec.index_head_dim,)
+                out[x + "weights_proj.weight"] = (spec.index_n_heads, h)
         if not spec.is_moe_layer(i):
             out.update(_swiglu_shapes(p + "mlp.", h, spec.intermediate_size))
             continue
@@ -453,7 +546,7 @@ KIMI_LINEAR_CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
 # linears both engines hold. Routed experts: gate_proj / up_proj / down_proj in kimi-mini,
 # w1 / w3 / w2 in kimi-linear (its shared experts and dense MLPs keep the *_proj names).
 LORA_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+    "q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj",
     "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
 )
 _GATE_UP = {"gate_proj": 0, "up_proj": 1, "w1": 0, "w3": 1}

@@ -157,6 +157,10 @@ class KimiSpec:
       (`mla_use_nope`) over every earlier key (no indexer: index_topk 0), a low-rank KDA output
       gate (g_a_proj / g_b_proj), the first `first_k_dense_replace` layers dense, and DeepSeek-V3
       routing (e_score_correction_bias for selection only, grouped top-k, routed_scaling_factor).
+      With DeepSeek-V3.2's `index_n_heads` / `index_head_dim` / `index_topk` it gets that
+      model's indexer (DeepseekV32Indexer: wq_b on the query latent, so q_lora_rank is
+      required; wk + LayerNorm k_norm; weights_proj; RoPE on the first qk_rope_head_dim index
+      dims), which pre-selects the MLA keys as kimi-mini's does.
 
     The defaults of the later fields are kimi-mini's behaviour, so old kimi-mini configs load
     unchanged."""
@@ -196,6 +200,12 @@ class KimiSpec:
     moe_renormalize: bool = True
     num_expert_group: int = 1  # grouped top-k: keep the topk_group best groups (top-2 sums)
     topk_group: int = 1
+    # kimi-linear: a low-rank query (q_a_proj -> q_a_layernorm -> q_b_proj) instead of q_proj;
+    # 0: none. The indexer's wq_b reads its latent, as DeepSeek-V3.2's does.
+    q_lora_rank: int = 0
+    # kimi-linear's mla_use_output_gate (Kimi K3): o_proj(attn * sigmoid(g_proj(h))), g_proj
+    # [Hm * v_head_dim, hidden] on the MLA layer's input.
+    mla_output_gate: bool = False
     # Not a checkpoint field: the run's MLA cache format ("auto": the model dtype; "fp8": e4m3
     # with a per-token scale per entry part, parity/fp8.py), set from KV_CACHE_DTYPE_KEY.
     kv_cache_dtype: str = "auto"
@@ -286,11 +296,11 @@ class KimiSpec:
                 f"linear_attn_config: kda_layers + full_attn_layers must number the {n} layers 1..{n} once each"
             )
         refused = {
-            "q_lora_rank": (config.get("q_lora_rank"), None),
             "moe_layer_freq": (config.get("moe_layer_freq", 1), 1),
             "moe_router_activation_func": (config.get("moe_router_activation_func", "sigmoid"), "sigmoid"),
             "num_nextn_predict_layers": (config.get("num_nextn_predict_layers", 0), 0),
-            "mla_use_output_gate": (config.get("mla_use_output_gate", False), False),
+            # Kimi K3's attention residuals (vLLM's kimi_k3 KimiDecoderLayer attn_res): not built
+            "attn_res_block_size": (config.get("attn_res_block_size"), None),
         }
         for key, (value, wanted) in refused.items():
             if value != wanted:
@@ -298,6 +308,17 @@ class KimiSpec:
         if config.get("num_key_value_heads", config["num_attention_heads"]) != config["num_attention_heads"]:
             raise ValueError("num_key_value_heads must equal num_attention_heads (MLA expands every head)")
         rope = config.get("rope_parameters") or {}
+        index_topk = config.get("index_topk") or 0
+        index = {key: (config.get(key) or 0) if index_topk else 0 for key in ("index_n_heads", "index_head_dim")}
+        for key, value in index.items():
+            if index_topk and value < 1:
+                raise ValueError(f"{key} must be >= 1 when index_topk is set")
+        q_lora_rank = config.get("q_lora_rank") or 0
+        if index_topk and not q_lora_rank:
+            # DeepSeek-V3.2's indexer projects its queries from the query latent (wq_b)
+            raise ValueError("q_lora_rank must be set when index_topk is (the indexer's wq_b reads the query latent)")
+        if index_topk and index["index_head_dim"] < config["qk_rope_head_dim"]:
+            raise ValueError("index_head_dim must be >= qk_rope_head_dim (RoPE rotates the first qk_rope_head_dim)")
         spec = cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -314,7 +335,9 @@ class KimiSpec:
             qk_nope_head_dim=config["qk_nope_head_dim"],
             qk_rope_head_dim=config["qk_rope_head_dim"],
             v_head_dim=config["v_head_dim"],
-            index_n_heads=0, index_head_dim=0, index_topk=0,
+            index_n_heads=index["index_n_heads"], index_head_dim=index["index_head_dim"], index_topk=index_topk,
+            q_lora_rank=q_lora_rank,
+            mla_output_gate=bool(config.get("mla_use_output_gate", False)),
             n_routed_experts=config["num_experts"],
             num_experts_per_tok=config["num_experts_per_token"],
             moe_intermediate_size=config["moe_intermediate_size"],
@@ -364,6 +387,7 @@ class KimiSpec:
 _LATER = (
     "hf_format", "mla_use_nope", "kv_norm_eps", "first_k_dense_replace", "intermediate_size",
     "routed_scaling_factor", "moe_renormalize", "num_expert_group", "topk_group", "kv_cache_dtype",
+    "q_lora_rank", "mla_output_gate",
 )
 KV_A_LAYERNORM_EPS = 1e-6
 

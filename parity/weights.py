@@ -172,6 +172,31 @@ def _swiglu(hp: str, mp: str, gate: str = "gate_proj", up: str = "up_proj", down
     ]
 
 
+def _kimi_linear_mla(spec: KimiSpec) -> dict[str, str]:
+    """kimi-linear's MLA names (HF -> Megatron): kimi-mini's without its indexer, the low-rank
+    query with q_lora_rank, the output gate with mla_use_output_gate, DeepSeek-V3.2's indexer
+    with index_topk."""
+    out = {hf: mg for hf, mg in _KIMI_MIXER["mla"].items() if ".indexer." not in hf}
+    if spec.q_lora_rank:
+        del out["self_attn.q_proj.weight"]
+        out.update({
+            "self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
+            "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
+            "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight",
+        })
+    if spec.mla_output_gate:
+        out["self_attn.g_proj.weight"] = "self_attention.linear_g_proj.weight"
+    if spec.has_indexer:
+        out.update({
+            "self_attn.indexer.wq_b.weight": "self_attention.indexer.linear_wq_b.weight",
+            "self_attn.indexer.wk.weight": "self_attention.indexer.linear_wk.weight",
+            "self_attn.indexer.k_norm.weight": "self_attention.indexer.k_norm.weight",
+            "self_attn.indexer.k_norm.bias": "self_attention.indexer.k_norm.bias",
+            "self_attn.indexer.weights_proj.weight": "self_attention.indexer.linear_weights_proj.weight",
+        })
+    return out
+
+
 def _kimi_linear(spec: KimiSpec) -> list[Weight]:
     out = [_same("model.embed_tokens.weight", "embedding.word_embeddings.weight")]
     for i, kind in enumerate(spec.layer_types):
@@ -183,7 +208,7 @@ def _kimi_linear(spec: KimiSpec) -> list[Weight]:
             out.append(Weight(m + "self_attention.conv1d.weight", h + "self_attn.conv1d.weight",
                               tuple(f"{h}self_attn.{c}.weight" for c in kimi.KIMI_LINEAR_CONVS), "conv"))
         else:
-            out += [_same(h + hf, m + mg) for hf, mg in _KIMI_MIXER["mla"].items() if ".indexer." not in hf]
+            out += [_same(h + hf, m + mg) for hf, mg in _kimi_linear_mla(spec).items()]
         if not spec.is_moe_layer(i):
             out += _swiglu(h + "mlp.", m + "mlp.")
             continue

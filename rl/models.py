@@ -114,6 +114,11 @@ KIMI_LINEAR_FIXED: dict[str, Any] = dict(
     moe_router_activation_func="sigmoid", hidden_act="silu", num_nextn_predict_layers=0,
     tie_word_embeddings=False, use_cache=True,
 )
+# DeepSeek-V3.2's sparse-indexer fields, which a kimi-linear config may add (`--set`; the indexer
+# also needs q_lora_rank), e.g. --set q_lora_rank=64 --set index_n_heads=4 --set index_head_dim=32
+# --set index_topk=16 on tiny.
+KIMI_LINEAR_INDEXER_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
+# Kimi K3's MLA output gate (--set mla_use_output_gate=true) is settable too.
 ROPE_THETA = 10000.0
 RMS_NORM_EPS = 1e-6
 VOCAB_MULTIPLE = 64  # embedding rows padded so the vocab splits evenly under tensor parallelism
@@ -458,7 +463,9 @@ def settable_keys(arch: str) -> tuple[str, ...]:
     if arch == "kimi-mini":
         return tuple(sorted(set(KimiSpec.__dataclass_fields__) - {"vocab_size", "tie_word_embeddings", *_LATER}))
     if arch == "kimi-linear":
-        return tuple(sorted((set(KIMI_LINEAR_PRESETS["tiny"]) | set(KIMI_LINEAR_FIXED)) - {"num_hidden_layers"}))
+        keys = (set(KIMI_LINEAR_PRESETS["tiny"]) | set(KIMI_LINEAR_FIXED) | set(KIMI_LINEAR_INDEXER_KEYS)
+                | {"mla_use_output_gate"})
+        return tuple(sorted(keys - {"num_hidden_layers"}))
     if arch == "qwen3-moe":
         return DENSE_SETTABLE + QWEN3_MOE_SETTABLE
     return DENSE_SETTABLE
@@ -762,7 +769,8 @@ def add_model_commands(subparsers: Any) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="a config.json field (JSON value) of the preset to change, e.g. --set head_dim=48"
         " --set vocab_size=515, or for kimi-mini --set 'layer_types=[\"kda\",\"mla\"]'"
-        " --set n_routed_experts=16, for kimi-linear --set num_experts=16",
+        " --set n_routed_experts=16, for kimi-linear --set num_experts=16 (its sparse indexer:"
+        " --set q_lora_rank=64 --set index_n_heads=4 --set index_head_dim=32 --set index_topk=16)",
     )
     init.add_argument("out", metavar="OUT", help="directory to create")
     init.set_defaults(func=_cmd_init)

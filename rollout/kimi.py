@@ -9,7 +9,8 @@ equal to the trainer's. Per layer (the trainer runs exactly this):
 then `rms_norm(x, norm)`; logits `linear(x, embed_tokens)` (tied; kimi-linear: `lm_head`),
 log-probs by vLLM's sampler. The same classes run kimi-linear checkpoints (the published Kimi
 Linear format, registered as `KimiRLParityKimiLinearForCausalLM`): the spec's format picks the
-low-rank KDA gate, MLA over every earlier key without RoPE or indexer, the MoE under
+low-rank KDA gate, MLA without RoPE over every earlier key (or, with DeepSeek-V3.2's indexer
+fields, over its top-k; optionally a low-rank query and K3's output gate), the MoE under
 `block_sparse_moe` (dense `mlp` in the first first_k_dense_replace layers) and its routing.
 
 Per-request state lives in vLLM's caches, so vLLM schedules, preempts and frees it:
@@ -265,10 +266,18 @@ def kda_state_shapes(spec: KimiSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 class _Indexer(nn.Module):
-    def __init__(self, spec: KimiSpec, lin: _Linears, prefix: str) -> None:
+    """kimi-mini's indexer (wq on the hidden state), or on kimi-linear DeepSeek-V3.2's (wq_b on
+    the query latent, k_norm a LayerNorm with a bias)."""
+
+    def __init__(self, spec: KimiSpec, lin: _Linears, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
-        h = spec.hidden_size
-        self.wq = lin(spec.index_n_heads * spec.index_head_dim, h, f"{prefix}.wq")
+        h, width = spec.hidden_size, spec.index_n_heads * spec.index_head_dim
+        if spec.is_linear:
+            self.wq_b = lin(width, spec.q_lora_rank, f"{prefix}.wq_b")
+            self.k_norm = _Weight(spec.index_head_dim, dtype=dtype)
+            self.k_norm.bias = _param(spec.index_head_dim, dtype=dtype)
+        else:
+            self.wq = lin(width, h, f"{prefix}.wq")
         self.wk = lin(spec.index_head_dim, h, f"{prefix}.wk")
         self.weights_proj = lin(spec.index_n_heads, h, f"{prefix}.weights_proj")
 
@@ -282,13 +291,20 @@ class ParityMla(nn.Module):
         super().__init__()
         self.spec = spec
         h, hm = spec.hidden_size, spec.num_attention_heads
-        self.q_proj = lin(hm * spec.qk_head_dim, h, f"{prefix}.q_proj")
+        if spec.q_lora_rank:
+            self.q_a_proj = lin(spec.q_lora_rank, h, f"{prefix}.q_a_proj")
+            self.q_a_layernorm = _Weight(spec.q_lora_rank, dtype=dtype)
+            self.q_b_proj = lin(hm * spec.qk_head_dim, spec.q_lora_rank, f"{prefix}.q_b_proj")
+        else:
+            self.q_proj = lin(hm * spec.qk_head_dim, h, f"{prefix}.q_proj")
         self.kv_a_proj_with_mqa = lin(spec.kv_lora_rank + spec.qk_rope_head_dim, h, f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = _Weight(spec.kv_lora_rank, dtype=dtype)
         self.kv_b_proj = lin(hm * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank, f"{prefix}.kv_b_proj")
         self.o_proj = lin(h, hm * spec.v_head_dim, f"{prefix}.o_proj")
+        if spec.mla_output_gate:
+            self.g_proj = lin(hm * spec.v_head_dim, h, f"{prefix}.g_proj")
         if spec.has_indexer:
-            self.indexer = _Indexer(spec, lin, f"{prefix}.indexer")
+            self.indexer = _Indexer(spec, lin, dtype, f"{prefix}.indexer")
         # Never called: it owns the paged cache (one "head" of one entry per token) and makes
         # vLLM build the parity attention metadata for this layer.
         self.slot_width = spec.mla_slot_width(dtype.itemsize)
@@ -312,10 +328,11 @@ class ParityMla(nn.Module):
             return out
         q, ctx, selected, count = self.select(meta, positions, h)
         n = meta.num_query_tokens
+        gate = kimi.mla_gate(self, self.spec, h[:n])
         if selected is None:  # no indexer (kimi-linear): every earlier key
-            out[:n] = kimi.mla_attend_full(self, self.spec, q, ctx, meta.q_seq, meta.q_pos)
+            out[:n] = kimi.mla_attend_full(self, self.spec, q, ctx, meta.q_seq, meta.q_pos, gate)
         else:
-            out[:n] = kimi.mla_attend(self, self.spec, q, ctx, meta.q_seq, selected, count)
+            out[:n] = kimi.mla_attend(self, self.spec, q, ctx, meta.q_seq, selected, count, gate)
         return out
 
     def select(self, meta, positions: torch.Tensor, h: torch.Tensor):

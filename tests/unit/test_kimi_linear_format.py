@@ -86,7 +86,7 @@ def test_spec_reads_the_format(model_dir):
 
 
 @pytest.mark.parametrize("key,value,words", [
-    ("q_lora_rank", 32, "q_lora_rank"),
+    ("attn_res_block_size", 2, "attn_res_block_size"),
     ("moe_layer_freq", 2, "moe_layer_freq"),
     ("moe_router_activation_func", "softmax", "moe_router_activation_func"),
     ("linear_attn_config", {"kda_layers": [1, 2], "full_attn_layers": [2], "num_heads": 4, "head_dim": 32,
@@ -111,7 +111,8 @@ def test_lora_targets_are_the_checkpoint_module_names(model_dir):
     modules = dict(hf.named_modules())
     paths = [(p, n) for fan_in, parts in kimi.lora_linears(spec).values() for p, n in parts]
     targets = {p.rsplit(".", 1)[-1] for p, _ in paths}
-    assert targets == set(kimi.LORA_TARGETS)  # shared experts / dense MLPs: *_proj; routed: w1 w2 w3
+    # shared experts / dense MLPs: *_proj; routed: w1 w2 w3; q_a_proj / q_b_proj need q_lora_rank
+    assert targets == set(kimi.LORA_TARGETS) - {"q_a_proj", "q_b_proj"}
     for path, fan_out in paths:
         assert w[path + ".weight"].shape[0] == fan_out
         if ".experts." not in path:
@@ -154,6 +155,6 @@ def test_cli_init_with_overrides(tmp_path, capsys):
     assert "model.layers.1.mlp.down_proj.weight" in w and "model.layers.2.block_sparse_moe.experts.3.w2.weight" in w
     assert "model.layers.2.block_sparse_moe.experts.4.w2.weight" not in w
     bad = tmp_path / "bad"
-    assert cli_main(argv[:8] + ["--set", "q_lora_rank=16", str(bad)]) == 2
+    assert cli_main(argv[:8] + ["--set", "moe_layer_freq=2", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "q_lora_rank" in err and len(err.strip().splitlines()) == 1 and not bad.exists()
+    assert "moe_layer_freq" in err and len(err.strip().splitlines()) == 1 and not bad.exists()

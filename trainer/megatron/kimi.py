@@ -198,16 +198,24 @@ _KDA_LINEARS = {
 
 
 class KimiIndexer(torch.nn.Module):
-    """The sparse-attention indexer's projections (index queries, the shared index key, head weights)."""
+    """The sparse-attention indexer's projections (index queries, the shared index key, head
+    weights); on kimi-linear DeepSeek-V3.2's: queries from the query latent (wq_b) and a
+    LayerNorm (weight + bias) on the index key."""
 
     def __init__(self, spec: KimiSpec, dtype: torch.dtype):
         super().__init__()
-        h = spec.hidden_size
-        self.linear_wq = KimiLinear(h, spec.index_n_heads * spec.index_head_dim, dtype)
+        h, width = spec.hidden_size, spec.index_n_heads * spec.index_head_dim
+        if spec.is_linear:
+            self.linear_wq_b = KimiLinear(spec.q_lora_rank, width, dtype)
+            self.k_norm = _Weight((spec.index_head_dim,), dtype, 1.0)
+            self.k_norm.bias = torch.nn.Parameter(torch.zeros(spec.index_head_dim, dtype=dtype))
+        else:
+            self.linear_wq = KimiLinear(h, width, dtype)
         self.linear_wk = KimiLinear(h, spec.index_head_dim, dtype)
         self.linear_weights_proj = KimiLinear(h, spec.index_n_heads, dtype)
 
     wq = property(lambda self: self.linear_wq)
+    wq_b = property(lambda self: self.linear_wq_b)
     wk = property(lambda self: self.linear_wk)
     weights_proj = property(lambda self: self.linear_weights_proj)
 
@@ -220,22 +228,35 @@ class KimiMLA(MegatronModule):
         spec = self.spec = _spec(config)
         h, hm, dt = spec.hidden_size, spec.num_attention_heads, config.params_dtype
         self.layer_index = layer_number - 1
-        self.linear_q_proj = KimiLinear(h, hm * spec.qk_head_dim, dt)
+        if spec.q_lora_rank:
+            self.linear_q_down_proj = KimiLinear(h, spec.q_lora_rank, dt)
+            self.q_layernorm = _Weight((spec.q_lora_rank,), dt, 1.0)
+            self.linear_q_up_proj = KimiLinear(spec.q_lora_rank, hm * spec.qk_head_dim, dt)
+        else:
+            self.linear_q_proj = KimiLinear(h, hm * spec.qk_head_dim, dt)
         self.linear_kv_down_proj = KimiLinear(h, spec.kv_lora_rank + spec.qk_rope_head_dim, dt)
         self.kv_layernorm = _Weight((spec.kv_lora_rank,), dt, 1.0)
         self.linear_kv_up_proj = KimiLinear(spec.kv_lora_rank, hm * (spec.qk_nope_head_dim + spec.v_head_dim), dt)
         self.linear_proj = KimiLinear(hm * spec.v_head_dim, h, dt)
+        if spec.mla_output_gate:
+            self.linear_g_proj = KimiLinear(h, hm * spec.v_head_dim, dt)
         if spec.has_indexer:
             self.indexer = KimiIndexer(spec, dt)
         prefix, parts = f"model.layers.{self.layer_index}.self_attn.", _lora_parts(spec)
         for name, hf in _MLA_LINEARS.items():
-            if name.startswith("indexer.") and not spec.has_indexer:
+            try:
+                module = self.get_submodule(name)
+            except AttributeError:  # a linear this format does not have
                 continue
             path = prefix + hf
-            self.get_submodule(name).set_path(path, parts[path][1] if path in parts else None)
+            module.set_path(path, parts[path][1] if path in parts else None)
         self.trace: dict[str, torch.Tensor] | None = None  # see routing_trace
 
     q_proj = property(lambda self: self.linear_q_proj)
+    q_a_proj = property(lambda self: self.linear_q_down_proj)
+    q_a_layernorm = property(lambda self: self.q_layernorm)
+    q_b_proj = property(lambda self: self.linear_q_up_proj)
+    g_proj = property(lambda self: self.linear_g_proj)
     kv_a_proj_with_mqa = property(lambda self: self.linear_kv_down_proj)
     kv_a_layernorm = property(lambda self: self.kv_layernorm)
     kv_b_proj = property(lambda self: self.linear_kv_up_proj)
@@ -246,10 +267,11 @@ class KimiMLA(MegatronModule):
         device = hidden_states.device
         positions = torch.arange(s, device=device).repeat(b)
         q_seq = torch.arange(b, device=device).repeat_interleave(s)
-        q, entry, index_q, index_w = kimi.mla_entries(self, spec, _flat(hidden_states), positions)
-        ctx = entry.view(b, s, -1)
+        h = _flat(hidden_states)
+        q, entry, index_q, index_w = kimi.mla_entries(self, spec, h, positions)
+        ctx, gate = entry.view(b, s, -1), kimi.mla_gate(self, spec, h)
         if not spec.has_indexer:  # kimi-linear: every earlier key
-            return _unflat(kimi.mla_attend_full(self, spec, q, ctx, q_seq, positions), s, b), None
+            return _unflat(kimi.mla_attend_full(self, spec, q, ctx, q_seq, positions, gate), s, b), None
         # Top-k is discrete: no gradient reaches the indexer through it, so skip its graph.
         with torch.no_grad():
             selected, count = kimi.indexer_topk(
@@ -257,14 +279,15 @@ class KimiMLA(MegatronModule):
             )
         if self.trace is not None:
             self.trace["selected"] = selected
-        out = kimi.mla_attend(self, spec, q, ctx, q_seq, selected, count)
+        out = kimi.mla_attend(self, spec, q, ctx, q_seq, selected, count, gate)
         return _unflat(out, s, b), None
 
 
 _MLA_LINEARS = {
     "linear_q_proj": "q_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa",
+    "linear_q_down_proj": "q_a_proj", "linear_q_up_proj": "q_b_proj", "linear_g_proj": "g_proj",
     "linear_kv_up_proj": "kv_b_proj", "linear_proj": "o_proj",
-    "indexer.linear_wq": "indexer.wq", "indexer.linear_wk": "indexer.wk",
+    "indexer.linear_wq": "indexer.wq", "indexer.linear_wq_b": "indexer.wq_b", "indexer.linear_wk": "indexer.wk",
     "indexer.linear_weights_proj": "indexer.weights_proj",
 }
 
