@@ -21,7 +21,9 @@ PY=${PY:-python3}
 mkdir -p "$OUT_DIR" "$MODELS"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-GPU="ray.gpus_per_actor=0.5 rollout.gpu_memory_utilization=0.3 model.dtype=bf16 parity.enabled=$PARITY"
+# The overrides that place the run on the card (OVERRIDES replaces them, e.g. to try the script on a CPU)
+OVERRIDES=${OVERRIDES:-"ray.gpus_per_actor=0.5 rollout.gpu_memory_utilization=0.3 model.dtype=bf16"}
+GPU="$OVERRIDES parity.enabled=$PARITY"
 run() {  # run NAME CMD...: one log per run, its last lines printed
     local name=$1 left=$((DEADLINE - SECONDS)); shift
     [ "$left" -lt 30 ] && { echo "== $name: skipped (deadline)"; return; }
