@@ -18,11 +18,14 @@ import random
 import pytest
 import torch
 
-from rl.checker import CheckArgs, run_check
 from tests.conftest import (
     use_transformers_kimi_linear_config,
-    write_prompt_file,
     write_random_adapter,
+)
+from tests.reference import (
+    assert_bitwise_with_adapter,
+    rollout_logprob_distances,
+    trainer_logit_distances,
 )
 
 LENGTHS = (1, 2, 9, 70, 130)
@@ -61,53 +64,19 @@ def reference(model_factory):
 
 
 def test_trainer_logits_match_transformers(reference, megatron):
-    from trainer.megatron.logprobs import forward_logits
     from trainer.megatron.model import load_model
 
     model_dir, expected = reference
     mg = load_model(model_dir, "fp32").eval()
-    seqs = _sequences()
-    width = max(LENGTHS)
-    padded = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right padding, one batch
-    with torch.no_grad():
-        got = forward_logits(mg, padded).float()
-    for i, (s, ref) in enumerate(zip(seqs, expected, strict=True)):
-        diff = (got[i, : len(s)] - ref).abs().max().item()
-        assert diff < TOLERANCE, (len(s), diff)
+    assert max(trainer_logit_distances(mg, _sequences(), expected)) < TOLERANCE
 
 
 def test_rollout_prompt_logprobs_match_transformers(reference):
-    from rollout.engine import RolloutEngine
-
     model_dir, expected = reference
-    seqs = _sequences()
-    engine = RolloutEngine(model_dir, dtype="fp32", multiprocess=False, max_model_len=512,
-                           max_num_batched_tokens=64)  # chunked prefill, mixed steps
-    try:
-        got = engine.prompt_logprobs(seqs)
-    finally:
-        engine.close()
-    for s, lp, ref in zip(seqs, got, expected, strict=True):
-        want = torch.log_softmax(ref, -1)[:-1].gather(1, torch.tensor(s[1:]).unsqueeze(1)).squeeze(1)
-        assert lp.shape == want.shape
-        if len(s) > 1:
-            diff = (lp - want).abs().max().item()
-            assert diff < TOLERANCE, (len(s), diff)
+    assert max(rollout_logprob_distances(model_dir, _sequences(), expected)) < TOLERANCE
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_parity_check_bitwise_with_lora(model_factory, tmp_path, dtype):
     model_dir = model_factory("kimi-linear", dtype)
-    prompts = write_prompt_file(tmp_path, (1, 17, 70))
-    args = CheckArgs(
-        model=model_dir, dtype=dtype, prompts=prompts, num_prompts=3, max_tokens=4, batch_sizes=[1, 3],
-        parity=True, seed=0, report=None, max_num_batched_tokens=64,
-        adapter=write_random_adapter(model_dir, tmp_path / "adapter"),
-    )
-    result = run_check(args)
-    assert len(result.completions) == 6
-    for c, train in zip(result.completions, result.train_logprobs, strict=True):
-        assert len(c.token_ids) > 0
-        assert torch.equal(c.rollout_logprobs, train), (len(c.prompt_ids), c.rollout_logprobs - train)
-    report = result.report
-    assert report["passed"] and report["bitwise_equal_fraction"] == 1.0 and report["kl_k1"] == 0.0
+    assert_bitwise_with_adapter(model_dir, dtype, tmp_path, write_random_adapter(model_dir, tmp_path / "adapter"))
