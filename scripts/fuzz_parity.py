@@ -128,18 +128,21 @@ def draw_kimi_linear(rng: random.Random) -> dict:
     """kimi-linear overrides (`kimi-rl model init --arch kimi-linear --set`) in the published
     config's keys: the layer pattern as 1-based kda_layers / full_attn_layers, experts split into
     groups of >= 2 for the grouped top-k, and the indexer only with a query latent (q_lora_rank).
-    kv_lora_rank is even and the indexer's head dims are even, so the cache entry width is."""
+    kv_lora_rank is even and the indexer's head dims are even, so the cache entry width is.
+    hidden_size // num_attention_heads is even: KimiLinearConfig has no head_dim, so
+    transformers' RoPE check (in vLLM's config loader) takes that quotient for one."""
     layers = [rng.choice(["kda", "mla"]) for _ in range(rng.randint(1, 4))]
     experts = rng.randint(1, 12)
     groups = rng.choice([1] + [g for g in range(2, experts // 2 + 1) if experts % g == 0])
     topk_group = rng.randint(1, groups)
     heads, rope = rng.randint(1, 6), 2 * rng.randint(2, 12)
     nope = rng.randint(4, 48)
+    hidden = rng.randint(8, 256)
+    hidden += heads if hidden // heads % 2 else 0
     q_lora_rank = rng.choice([None, 32, 48, 64])
     index_topk = rng.choice([0, 4, 8, 16, 32]) if q_lora_rank else 0
     shape = dict(
-        hidden_size=rng.randint(8, 256), intermediate_size=rng.randint(8, 512),
-        first_k_dense_replace=rng.randint(0, 1),
+        hidden_size=hidden, intermediate_size=rng.randint(8, 512), first_k_dense_replace=rng.randint(0, 1),
         linear_attn_config=dict(
             kda_layers=[i + 1 for i, t in enumerate(layers) if t == "kda"],
             full_attn_layers=[i + 1 for i, t in enumerate(layers) if t == "mla"],

@@ -49,6 +49,7 @@ def test_kimi_linear_draws_are_valid_configs():
         else:
             assert set(trial.prompt_lens) & {63, 64, 65, 130}
         assert spec.mla_cache_width % 2 == 0
+        assert spec.hidden_size // spec.num_attention_heads % 2 == 0  # transformers' RoPE head_dim
         assert trial.max_num_batched_tokens in (32, 64)
         assert shape_text(trial).startswith(f"h{spec.hidden_size} ")
         seen_topk.add(spec.index_topk)
