@@ -1,6 +1,7 @@
 """Shape fuzzer: `kimi-rl parity check` on randomly drawn model shapes, real vLLM and Megatron.
 
-Each trial draws an architecture (Llama, Qwen3, kimi-mini; Qwen3-MoE with --arch qwen3-moe),
+Each trial draws an architecture (Llama, Qwen3, kimi-mini; Qwen3-MoE and kimi-linear with
+--arch ...,qwen3-moe,kimi-linear),
 a shape, a dtype, prompts of random lengths, batch sizes and a per-step token budget (chunked
 prefill on), writes a random-init checkpoint, runs `kimi-rl parity check --parity on` on it in a
 subprocess and records what fraction of sampled tokens got bit-identical log-probs on both
@@ -8,10 +9,14 @@ sides. Shapes are drawn off the usual multiples on purpose: head_dim any even va
 groups 1..8, odd intermediate sizes and vocabularies, tied or untied embeddings, 1..4 layers;
 kimi-mini draws its KDA/MLA layer pattern, experts, top-k and indexer top-k; qwen3-moe a Qwen3
 shape plus experts, top-k, expert width, norm_topk_prob, decoder_sparse_step and
-mlp_only_layers. Prints a table and writes
-JSON (one row per trial: shape, dtype, batch sizes, prompt lengths, tokens, bitwise fraction).
+mlp_only_layers; kimi-linear (the published Kimi Linear format) its KDA/MLA pattern, widths,
+experts in groups, the first layer dense or not, q_lora_rank, DeepSeek-V3.2's indexer (top-k,
+heads, head dim) or none, Kimi K3's MLA output gate and the MLA cache format (auto or fp8),
+with prompt lengths at the indexer's top-k and the 64-key block edges and a 32/64-token step
+budget. Prints a table and writes JSON (one row per trial: shape, dtype, KV cache format,
+batch sizes, prompt lengths, tokens, bitwise fraction).
 
-    python scripts/fuzz_parity.py --trials 20 --seed 0 [--arch llama,qwen3,kimi-mini,qwen3-moe] [--pinned]
+    python scripts/fuzz_parity.py --trials 20 --seed 0 [--arch llama,qwen3,kimi-mini,qwen3-moe,kimi-linear] [--pinned]
         [--start I | --only I,J,...] [--isa-mix] [--draw-sampling] [--out bench_results/fuzz_parity.json]
 
 Exit status 1 if any trial is not fully bitwise (or fails to run), 0 otherwise.
@@ -30,9 +35,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ARCHS = ("llama", "qwen3", "kimi-mini", "qwen3-moe")
+ARCHS = ("llama", "qwen3", "kimi-mini", "qwen3-moe", "kimi-linear")
 # The default --arch list: the one the recorded streams (docs/fuzz_*.json) drew with. An arch
-# added later is opt-in (--arch ...,qwen3-moe), so trial i of an old seed draws what it drew.
+# added later is opt-in (--arch ...,qwen3-moe,kimi-linear), so trial i of an old seed draws
+# what it drew.
 DEFAULT_ARCHS = ("llama", "qwen3", "kimi-mini")
 DTYPES = ("fp32", "bf16")
 TOKENIZER_SIZE = 512  # rl.models' "tiny" tokenizer: a vocabulary is at least this large
@@ -48,6 +54,7 @@ class Trial:
     prompt_lens: list[int]
     max_tokens: int
     max_num_batched_tokens: int
+    kv_cache_dtype: str = "auto"  # `parity check --kv-cache-dtype`: "fp8" only for kimi-linear draws
     tokens: int = 0
     bitwise_fraction: float = 0.0
     max_abs_diff: float | None = None
@@ -117,6 +124,55 @@ def draw_qwen3_moe(rng: random.Random) -> dict:
     return shape
 
 
+def draw_kimi_linear(rng: random.Random) -> dict:
+    """kimi-linear overrides (`kimi-rl model init --arch kimi-linear --set`) in the published
+    config's keys: the layer pattern as 1-based kda_layers / full_attn_layers, experts split into
+    groups of >= 2 for the grouped top-k, and the indexer only with a query latent (q_lora_rank).
+    kv_lora_rank is even and the indexer's head dims are even, so the cache entry width is.
+    hidden_size // num_attention_heads is even: KimiLinearConfig has no head_dim, so
+    transformers' RoPE check (in vLLM's config loader) takes that quotient for one."""
+    layers = [rng.choice(["kda", "mla"]) for _ in range(rng.randint(1, 4))]
+    experts = rng.randint(1, 12)
+    groups = rng.choice([1] + [g for g in range(2, experts // 2 + 1) if experts % g == 0])
+    topk_group = rng.randint(1, groups)
+    heads, rope = rng.randint(1, 6), 2 * rng.randint(2, 12)
+    nope = rng.randint(4, 48)
+    hidden = rng.randint(8, 256)
+    hidden += heads if hidden // heads % 2 else 0
+    q_lora_rank = rng.choice([None, 32, 48, 64])
+    index_topk = rng.choice([0, 4, 8, 16, 32]) if q_lora_rank else 0
+    shape = dict(
+        hidden_size=hidden, intermediate_size=rng.randint(8, 512), first_k_dense_replace=rng.randint(0, 1),
+        linear_attn_config=dict(
+            kda_layers=[i + 1 for i, t in enumerate(layers) if t == "kda"],
+            full_attn_layers=[i + 1 for i, t in enumerate(layers) if t == "mla"],
+            num_heads=rng.randint(1, 6), head_dim=rng.randint(4, 48), short_conv_kernel_size=4,
+        ),
+        num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=2 * rng.randint(2, 48),
+        qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=rng.randint(4, nope + rope),
+        q_lora_rank=q_lora_rank, mla_use_output_gate=rng.random() < 0.5,
+        num_experts=experts,
+        num_experts_per_token=rng.randint(1, min(4, topk_group * (experts // groups))),
+        moe_intermediate_size=rng.randint(8, 200), num_shared_experts=rng.randint(0, 2),
+        num_expert_group=groups, topk_group=topk_group,
+    )
+    if index_topk:
+        shape.update(index_topk=index_topk, index_n_heads=rng.choice([1, 2, 4, 8]),
+                     index_head_dim=rng.choice([rope, 32, 64]))
+    return shape
+
+
+def kimi_linear_prompt_lens(rng: random.Random, index_topk: int) -> list[int]:
+    """Prompt lengths at the edges that matter: one short of, at and one past the indexer's
+    top-k (where it starts to select) and the 64-key attention block (63, 64, 65, 130), plus a
+    random length or two."""
+    edges = [63, 64, 65, 130] + ([n for n in (index_topk - 1, index_topk, index_topk + 1) if n > 0]
+                                 if index_topk else [])
+    lens = rng.sample(edges, rng.randint(2, 4)) + [rng.randint(1, 300) for _ in range(rng.randint(0, 2))]
+    rng.shuffle(lens)
+    return lens
+
+
 def fix_kimi(shape: dict) -> dict:
     """Nudge a drawn kimi-mini shape into the constraints (v_head_dim <= qk head dim; a cache
     entry width divisible by 4: it fills the key and value halves of a vLLM cache slot, whose
@@ -138,8 +194,21 @@ ODD_QWEN3 = Trial(
 )
 
 
+def draw_kimi_linear_trial(rng: random.Random, index: int) -> Trial:
+    shape = draw_kimi_linear(rng)
+    return Trial(
+        index=index, arch="kimi-linear", dtype=rng.choice(DTYPES), shape=shape,
+        batch_sizes=sorted(rng.sample(range(1, 41), rng.randint(1, 3))),
+        prompt_lens=kimi_linear_prompt_lens(rng, shape.get("index_topk", 0)),
+        max_tokens=rng.randint(4, 16), max_num_batched_tokens=rng.choice([32, 64]),
+        kv_cache_dtype=rng.choice(["auto", "fp8"]),
+    )
+
+
 def draw_trial(rng: random.Random, index: int, archs: list[str]) -> Trial:
     arch = rng.choice(archs)
+    if arch == "kimi-linear":
+        return draw_kimi_linear_trial(rng, index)
     if arch == "kimi-mini":
         shape = fix_kimi(draw_kimi(rng))
     else:
@@ -192,10 +261,10 @@ def write_dense_model(arch: str, shape: dict, dtype: str, seed: int, out: Path) 
 
 
 def write_model(trial: Trial, seed: int, out: Path) -> None:
-    if trial.arch == "kimi-mini":
+    if trial.arch in ("kimi-mini", "kimi-linear"):
         from rl.models import init_model
 
-        init_model(arch="kimi-mini", preset="tiny", seed=seed, out_dir=out, dtype=trial.dtype,
+        init_model(arch=trial.arch, preset="tiny", seed=seed, out_dir=out, dtype=trial.dtype,
                    overrides=trial.shape)
     else:
         out.mkdir(parents=True)
@@ -225,7 +294,7 @@ def run_trial(trial: Trial, seed: int, workdir: Path) -> Trial:
         "--max-tokens", str(trial.max_tokens), "--batch-sizes", ",".join(map(str, trial.batch_sizes)),
         "--max-num-batched-tokens", str(trial.max_num_batched_tokens), "--seed", str(seed),
         "--parity", "on", "--report", str(report), "--temperature", str(trial.temperature),
-        "--top-p", str(trial.top_p), "--top-k", str(trial.top_k),
+        "--top-p", str(trial.top_p), "--top-k", str(trial.top_k), "--kv-cache-dtype", trial.kv_cache_dtype,
     ]
     # A small KV cache: the trials' models are tiny, and several engines may share the machine.
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ}
@@ -250,8 +319,21 @@ def run_trial(trial: Trial, seed: int, workdir: Path) -> Trial:
     return trial
 
 
+def kimi_linear_shape_text(s: dict) -> str:
+    lac = s["linear_attn_config"]
+    n = len(lac["kda_layers"]) + len(lac["full_attn_layers"])
+    pattern = "".join("K" if i in lac["kda_layers"] else "M" for i in range(1, n + 1))
+    index = f" idx{s['index_topk']}/{s['index_n_heads']}x{s['index_head_dim']}" if s.get("index_topk") else ""
+    return (f"h{s['hidden_size']} {pattern}{' d1' if s['first_k_dense_replace'] else ''} "
+            f"kda{lac['num_heads']}x{lac['head_dim']} mla{s['num_attention_heads']} r{s['kv_lora_rank']} "
+            f"q{s['q_lora_rank'] or '-'}{' gate' if s['mla_use_output_gate'] else ''} e{s['num_experts']}/"
+            f"top{s['num_experts_per_token']} g{s['topk_group']}/{s['num_expert_group']}{index}")
+
+
 def shape_text(trial: Trial) -> str:
     s = trial.shape
+    if trial.arch == "kimi-linear":
+        return kimi_linear_shape_text(s)
     if trial.arch == "kimi-mini":
         pattern = "".join("K" if t == "kda" else "M" for t in s["layer_types"])
         return (f"h{s['hidden_size']} {pattern} kda{s['kda_num_heads']}x{s['kda_head_dim']} "
@@ -272,10 +354,10 @@ def conditions_text(trial: Trial) -> str:
 
 
 def print_table(trials: list[Trial]) -> None:
-    print(f"{'#':>3}  {'arch':9} {'dtype':5} {'shape':58} {'batches':10} {'tokens':>6} {'bitwise':>8}  s")
+    print(f"{'#':>3}  {'arch':11} {'dtype':5} {'kv':4} {'shape':58} {'batches':10} {'tokens':>6} {'bitwise':>8}  s")
     for t in trials:
         verdict = f"{t.bitwise_fraction:8.1%}" if t.error is None else "   ERROR"
-        print(f"{t.index:>3}  {t.arch:9} {t.dtype:5} {shape_text(t):58} "
+        print(f"{t.index:>3}  {t.arch:11} {t.dtype:5} {t.kv_cache_dtype:4} {shape_text(t):58} "
               f"{','.join(map(str, t.batch_sizes)):10} {t.tokens:>6} {verdict}  {t.seconds:.0f}")
         if t.error:
             print(f"     {t.error}")
@@ -313,7 +395,7 @@ def fuzz(
         with tempfile.TemporaryDirectory(prefix="fuzz-parity-") as tmp:
             done.append(run_trial(trial, seed * 100_003 + trial.index + 1, Path(tmp)))
         t = done[-1]
-        print(f"trial {t.index}: {t.arch} {t.dtype} {shape_text(t)} {conditions_text(t)} -> "
+        print(f"trial {t.index}: {t.arch} {t.dtype} kv {t.kv_cache_dtype} {shape_text(t)} {conditions_text(t)} -> "
               f"{t.error or f'{t.bitwise_fraction:.1%} of {t.tokens}'} ({t.seconds:.0f} s)", flush=True)
         if out is not None:
             write_json(out, seed, archs, done)
@@ -326,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start", type=int, default=0, help="first trial index of the seed's stream")
     parser.add_argument("--arch", default=",".join(DEFAULT_ARCHS),
-                        help="comma-separated subset of " + ",".join(ARCHS) + " (default: the first three)")
+                        help="comma-separated subset of " + ",".join(ARCHS) + " (default: " + ",".join(DEFAULT_ARCHS) + ")")
     parser.add_argument("--only", default="", help="comma-separated trial indices of the seed's stream to run")
     parser.add_argument("--pinned", action="store_true", help="also run the odd-shaped Qwen3 case of issue 13")
     parser.add_argument("--isa-mix", action="store_true",

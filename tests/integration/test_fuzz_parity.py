@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 
 from parity import native
-from scripts.fuzz_parity import ARCHS, fuzz
+from scripts.fuzz_parity import DEFAULT_ARCHS, fuzz
 
 # The seed whose first two trials are the cheapest draw covering kimi-mini and a dense model
 # in both dtypes (found by drawing, not by running: the draw is cheap and deterministic).
 SEED = 1553
+# SEED was found with the default arch list (llama, qwen3, kimi-mini), which never grows: with
+# every arch (ARCHS, since qwen3-moe joined) rng.choice draws a second kimi-mini instead.
 
 
 def test_fuzz_slice_is_bitwise(tmp_path):
     out = tmp_path / "fuzz.json"
-    done = fuzz(2, SEED, list(ARCHS), out=out, isa_mix=True, draw_sampling=True)
+    done = fuzz(2, SEED, list(DEFAULT_ARCHS), out=out, isa_mix=True, draw_sampling=True)
     assert [(t.arch, t.dtype) for t in done] == [("kimi-mini", "fp32"), ("qwen3", "bf16")]
     assert any(t.top_p < 1.0 or t.top_k > 0 for t in done)
     for trial in done:
