@@ -376,6 +376,11 @@ class KimiSpec:
             raise ValueError("qk_rope_head_dim must be even and v_head_dim <= qk head dim")
         if self.mla_cache_width % 2:  # the rollout splits an entry over a slot's key/value halves
             raise ValueError("kv_lora_rank + qk_rope_head_dim + index_head_dim must be even")
+        if self.hf_format == "kimi_linear" and (self.hidden_size // self.num_attention_heads) % 2:
+            # KimiLinearConfig has no head_dim: transformers' RoPE check (run by vLLM's config
+            # loader) takes hidden_size // num_attention_heads as the rotary width.
+            raise ValueError(f"hidden_size // num_attention_heads must be even (transformers reads it as the "
+                             f"rotary head_dim), got {self.hidden_size} // {self.num_attention_heads}")
         return self
 
     @classmethod

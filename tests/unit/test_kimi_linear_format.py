@@ -92,6 +92,7 @@ def test_spec_reads_the_format(model_dir):
     ("linear_attn_config", {"kda_layers": [1, 2], "full_attn_layers": [2], "num_heads": 4, "head_dim": 32,
                             "short_conv_kernel_size": 4}, "linear_attn_config"),
     ("num_expert_group", 3, "num_expert_group"),
+    ("hidden_size", 45, "hidden_size // num_attention_heads must be even"),
 ])
 def test_spec_refuses_what_it_does_not_implement(model_dir, key, value, words):
     with pytest.raises(ValueError, match=words):
