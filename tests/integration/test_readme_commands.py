@@ -61,6 +61,11 @@ SHRINK: dict[str, str] = {
     ".venv/bin/kimi-rl model init --arch kimi-linear --preset tiny --seed 0 --dtype bf16 models/kl-tiny": "",
     ".venv/bin/kimi-rl parity check --model models/kl-tiny --dtype bf16 --batch-sizes 1,3 --num-prompts 3 "
     "--max-tokens 4 --max-num-batched-tokens 64": SMALL_CHECK,
+    ".venv/bin/kimi-rl model init --arch kimi-linear --preset tiny --seed 0 --dtype bf16 --set q_lora_rank=48 "
+    "--set index_n_heads=4 --set index_head_dim=32 --set index_topk=16 --set mla_use_output_gate=true "
+    "models/kl-idx": "",
+    ".venv/bin/kimi-rl parity check --model models/kl-idx --dtype bf16 --batch-sizes 1,4 --num-prompts 4 "
+    "--max-tokens 8 --max-num-batched-tokens 64 --kv-cache-dtype fp8": SMALL_CHECK,
     ".venv/bin/kimi-rl model init --arch qwen3-moe --preset tiny --seed 0 models/q3m-tiny": "",
     ".venv/bin/kimi-rl parity check --model models/q3m-tiny --dtype bf16 --batch-sizes 1,3 --num-prompts 3 "
     "--max-tokens 4 --max-num-batched-tokens 64": SMALL_CHECK,
