@@ -371,7 +371,6 @@ def mla_attend_full(
 
 # The stable top-k and the expert dispatch are parity/moe.py's (shared with Qwen3-MoE); the
 # routing below is Kimi's.
-_top = moe_lib.top
 
 
 def route(
@@ -390,10 +389,10 @@ def route(
     if groups > 1:
         grouped = choice.view(-1, groups, spec.n_routed_experts // groups)
         best2 = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2]
-        keep = _top(best2[..., 0] + best2[..., 1], spec.topk_group)  # [N, topk_group]
+        keep = moe_lib.top(best2[..., 0] + best2[..., 1], spec.topk_group)  # [N, topk_group]
         mask = torch.zeros(choice.shape[0], groups, dtype=torch.bool, device=choice.device).scatter(1, keep, True)
         choice = grouped.masked_fill(~mask.unsqueeze(-1), -math.inf).view_as(choice)
-    experts = _top(choice, spec.num_experts_per_tok)
+    experts = moe_lib.top(choice, spec.num_experts_per_tok)
     weights = scores.gather(1, experts)
     if spec.moe_renormalize:
         weights = weights / (row_sum(weights) + 1e-20).unsqueeze(-1)

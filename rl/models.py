@@ -372,6 +372,10 @@ def _torch_dtype(dtype: str) -> Any:
 # --- random-init checkpoints --------------------------------------------------------------------
 
 
+def _dense_presets(arch: str) -> dict[str, dict[str, Any]]:
+    return QWEN3_MOE_PRESETS if arch == "qwen3-moe" else PRESETS
+
+
 def model_config(arch: str, preset: str, vocab_size: int) -> PretrainedConfig:
     """The transformers config for `arch` / `preset`; token ids follow `build_tokenizer`."""
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
@@ -380,7 +384,7 @@ def model_config(arch: str, preset: str, vocab_size: int) -> PretrainedConfig:
     _check_choice("preset", preset, PRESETS)
     eos = SPECIAL_TOKENS.index(EOS)
     common = dict(
-        (QWEN3_MOE_PRESETS if arch == "qwen3-moe" else PRESETS)[preset], vocab_size=vocab_size, rope_theta=ROPE_THETA, rms_norm_eps=RMS_NORM_EPS,
+        _dense_presets(arch)[preset], vocab_size=vocab_size, rope_theta=ROPE_THETA, rms_norm_eps=RMS_NORM_EPS,
         attention_bias=False, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
         architectures=[ARCHITECTURES[arch]],
     )
@@ -576,7 +580,7 @@ def init_model(
     _check_choice("preset", preset, PRESETS)
     torch_dtype = _torch_dtype(dtype)
     _check_out_dir(out, force)  # before any work, so a bad OUT fails fast
-    max_len = (QWEN3_MOE_PRESETS if arch == "qwen3-moe" else PRESETS)[preset]["max_position_embeddings"]
+    max_len = _dense_presets(arch)[preset]["max_position_embeddings"]
     tokenizer = build_tokenizer(TOKENIZER_VOCAB[preset], max_len)
     vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     config = model_config(arch, preset, vocab_size)

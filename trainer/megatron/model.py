@@ -42,7 +42,7 @@ from trainer.megatron.layers import (
     ParityRowParallelLinear,
     common_config,
 )
-from trainer.megatron.patches import cpu_current_device
+from trainer.megatron.patches import bind_router_gemm_without_te, cpu_current_device
 
 
 def transformer_config(spec: ModelSpec, dtype: torch.dtype, parity: bool, tp_size: int = 1) -> TransformerConfig:
@@ -148,12 +148,7 @@ def _stock_moe_config(config: TransformerConfig, spec: ModelSpec) -> Transformer
     """Stock Megatron's MoE for a qwen3-moe baseline (parity off): SequentialMLP experts under
     the names the parity model uses, Qwen3's routing (softmax then top-k; top-k then softmax
     is the renormalised form), no load-balancing loss (scoring only)."""
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    # Megatron 0.16 reads te_general_gemm in its router GEMM but binds it only when Transformer
-    # Engine imports; without TE the name must exist (None: torch's matmul).
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    bind_router_gemm_without_te()
     return dataclasses.replace(
         config, num_moe_experts=spec.num_experts, moe_router_topk=spec.num_experts_per_tok,
         moe_ffn_hidden_size=spec.moe_intermediate_size, moe_router_pre_softmax=not spec.norm_topk_prob,

@@ -36,6 +36,17 @@ def cpu_current_device():
         torch.cuda.current_device = original
 
 
+def bind_router_gemm_without_te() -> None:
+    """megatron-core 0.16.1 `moe/moe_utils.py` router GEMM (`RouterGatingLinearFunction`) reads
+    the module global `te_general_gemm`, which is bound only when Transformer Engine imports:
+    without TE a stock MoE forward raises NameError. Bind it to None (the code's own "no TE"
+    value: torch's matmul)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def init_megatron(tp_size: int = 1, seed: int = 0) -> None:
     """Initialise torch.distributed (gloo on CPU, world of one unless launched otherwise)
     and Megatron's parallel state.
