@@ -452,6 +452,10 @@ def sample_in_vllm(
             max_num_seqs=max(args.batch_sizes),
             max_num_batched_tokens=args.max_num_batched_tokens,
             tensor_parallel_size=args.rollout_tp,
+            # At TP 1, vLLM runs in this process (closed before the trainer re-scores): two
+            # fewer Python processes to start, each importing torch and vLLM (~15 s on 2 cores).
+            # --rollout-isa needs processes of the engine's own, which read it when they start.
+            multiprocess=args.rollout_tp > 1 or args.rollout_isa is not None,
             enforce_eager=not args.cuda_graphs,
             adapter_layout=_reserved_layout(args, adapter), isa=args.rollout_isa,
             kv_cache_dtype=args.kv_cache_dtype,

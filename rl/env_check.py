@@ -47,7 +47,7 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
     with RolloutEngine(str(args.model), dtype=args.dtype, parity=args.parity, seed=args.seed,
                        max_model_len=context, max_num_seqs=max(len(samples), 1),
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       tensor_parallel_size=args.rollout_tp,
+                       tensor_parallel_size=args.rollout_tp, multiprocess=args.rollout_tp > 1,
                        prefix_caching=getattr(args, "prefix_caching", None),
                        kv_cache_dtype=args.kv_cache_dtype) as engine:
 
