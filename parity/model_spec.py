@@ -255,11 +255,8 @@ class KimiSpec:
     def mla_slot_width(self, itemsize: int) -> int:
         """Elements of the model dtype (`itemsize` bytes) one token's cache slot holds: the
         entry itself, or its packed FP8 bytes rounded up to a multiple of 4 elements (the
-        rollout splits a slot into key / value halves, and vLLM wants their width even).
-        kimi-linear keeps the entry's width with FP8 too: vLLM sizes a kimi_linear model's
-        cache pages as an MLA latent in the model dtype (from kv_lora_rank + qk_rope_head_dim,
-        which the config cannot restate), so its FP8 entries fill part of a slot."""
-        if self.kv_cache_dtype != "fp8" or self.is_linear:
+        rollout splits a slot into key / value halves, and vLLM wants their width even)."""
+        if self.kv_cache_dtype != "fp8":
             return self.mla_cache_width
         return 4 * math.ceil(fp8.packed_bytes(self.mla_cache_parts) / (4 * itemsize))
 

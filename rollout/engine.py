@@ -311,11 +311,16 @@ class RolloutEngine:
                 kwargs["hf_overrides"]["kimi_rl_adapter"] = adapter_layout.as_dict()
             if kv_cache_dtype != "auto":  # the model builds its cache entries in that format
                 kwargs["hf_overrides"][KV_CACHE_DTYPE_KEY] = kv_cache_dtype
-                if not self.spec.is_linear:
-                    # vLLM sizes kimi-mini's cache pages from the config's one KV head: name
-                    # the slot's width in that format (parity.model_spec.mla_slot_width).
-                    slot = dataclasses.replace(self.spec, kv_cache_dtype=kv_cache_dtype).mla_slot_width(
-                        torch_dtype(dtype).itemsize)
+            if isinstance(self.spec, KimiSpec):
+                # vLLM sizes a hybrid's cache pages from its config: restate there the width
+                # of this model's cache slot (parity.model_spec.mla_slot_width), as kimi-mini's
+                # one KV head of head_dim, or kimi-linear's MLA latent of kv_lora_rank +
+                # qk_rope_head_dim values. The model reads its checkpoint's config.json.
+                slot = dataclasses.replace(self.spec, kv_cache_dtype=kv_cache_dtype).mla_slot_width(
+                    torch_dtype(dtype).itemsize)
+                if self.spec.is_linear:
+                    kwargs["hf_overrides"]["kv_lora_rank"] = slot - self.spec.qk_rope_head_dim
+                else:
                     kwargs["hf_overrides"]["head_dim"] = slot // 2
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens

@@ -28,8 +28,10 @@ Per-request state lives in vLLM's caches, so vLLM schedules, preempts and frees 
   across the key and value halves of its slot (first half / second half, so no byte of the
   slot is wasted), then gathers each request's entries at positions 0..L-1 (ctx_slots) and
   runs the indexer and the sparse attention itself. The layer's one KV head has head_dim =
-  spec.mla_slot_width / 2 (the engine reports the same in the config), so vLLM's hybrid
-  page-size alignment sizes the attention pages from the real per-token footprint.
+  spec.mla_slot_width / 2 (the engine restates the slot's width in vLLM's hf_config: head_dim
+  for kimi-mini, kv_lora_rank for kimi-linear, which vLLM sizes as an MLA latent), so vLLM's
+  hybrid page-size alignment sizes the attention pages from the real per-token footprint. The
+  model itself reads the checkpoint's config.json (`spec_of`).
 
 Parameters are plain tensors under the HF names, except each expert's (and the shared
 expert's) gate_proj and up_proj, held fused as `...gate_up_proj.weight` = cat([gate, up]) as
@@ -43,6 +45,7 @@ The routing trace the tests compare with the trainer's is a debug wrapper of for
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,7 +64,12 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from parity import fp8, kernels, kimi
 from parity.kimi import Pair
-from parity.model_spec import KIMI_ARCHITECTURE, KIMI_LINEAR_ARCHITECTURE, KimiSpec
+from parity.model_spec import (
+    KIMI_ARCHITECTURE,
+    KIMI_LINEAR_ARCHITECTURE,
+    KV_CACHE_DTYPE_KEY,
+    KimiSpec,
+)
 from rollout.attention import ParityAttentionBackend, _slot_view
 from rollout.plugin import KDA_BACKEND
 from rollout.sync import PackedWeight, SyncedModel
@@ -73,12 +81,13 @@ _KDA_BACKEND_PATH = "rollout.kimi.ParityKdaBackend"
 # --- config ---------------------------------------------------------------------------------------
 
 
-def spec_from_hf_config(config) -> KimiSpec:
-    """The spec of vLLM's hf_config (its `architectures` name the parity class, so the format
-    comes from model_type)."""
-    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    d["architectures"] = [KIMI_LINEAR_ARCHITECTURE if d.get("model_type") == "kimi_linear" else KIMI_ARCHITECTURE]
-    return KimiSpec.from_hf_config(d)
+def spec_of(model_config) -> KimiSpec:
+    """The checkpoint's own config.json, in the cache format the engine chose. vLLM's hf_config
+    is only vLLM's view for sizing cache pages: rollout/engine.py restates there the width of
+    this model's cache slot, which the model's shape must not take from."""
+    spec = KimiSpec.from_dir(model_config.model)
+    kv_cache_dtype = getattr(model_config.hf_config, KV_CACHE_DTYPE_KEY, "auto")
+    return dataclasses.replace(spec, kv_cache_dtype=kv_cache_dtype).validated()
 
 
 # --- KDA state backend ----------------------------------------------------------------------------
@@ -520,7 +529,7 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config) -> tuple[tuple[int, ...], ...]:
-        return kda_state_shapes(spec_from_hf_config(vllm_config.model_config.hf_config))
+        return kda_state_shapes(spec_of(vllm_config.model_config))
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config) -> tuple[torch.dtype, ...]:
@@ -551,7 +560,7 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
         if prefix:
             raise NotImplementedError("the kimi-mini parity model is a top-level model")
         model_config = vllm_config.model_config
-        self.spec = spec_from_hf_config(model_config.hf_config)
+        self.spec = spec_of(model_config)
         self.dtype = model_config.dtype
         self.config = model_config.hf_config
         self.model = ParityKimiModel(self.spec, self.dtype, vllm_config.cache_config)

@@ -66,14 +66,21 @@ def test_the_rounding_acts_and_a_trainer_without_it_sees_other_logprobs(kimi_min
     assert max(diffs) > 0, "the FP8 rounding changed no log-prob"
 
 
-def test_an_fp8_cache_holds_more_tokens_in_the_same_space(model_factory, tmp_path):
+# Two MLA layers and no KDA layer, in each format.
+MLA_ONLY = {"kimi-mini": {"layer_types": ["mla", "mla"]},
+            "kimi-linear": {"linear_attn_config": {"kda_layers": [], "full_attn_layers": [1, 2], "num_heads": 4,
+                                                   "head_dim": 32, "short_conv_kernel_size": 4}}}
+
+
+@pytest.mark.parametrize("arch", list(MLA_ONLY))
+def test_an_fp8_cache_holds_more_tokens_in_the_same_space(tmp_path, arch):
     """MLA layers only (a KDA state block takes the same pages in both formats): vLLM's block
     count x block size, at the same VLLM_CPU_KVCACHE_SPACE, in bf16 and in FP8."""
     from rl.models import init_model
     from rollout.engine import RolloutEngine
 
-    model_dir = init_model(arch="kimi-mini", preset="tiny", seed=0, out_dir=tmp_path / "mla", dtype="bf16",
-                           overrides={"layer_types": ["mla", "mla"]})
+    model_dir = init_model(arch=arch, preset="tiny", seed=0, out_dir=tmp_path / "mla", dtype="bf16",
+                           overrides=MLA_ONLY[arch])
     tokens = {}
     for kv in ("auto", "fp8"):
         with RolloutEngine(str(model_dir), dtype="bf16", multiprocess=False, max_model_len=256,
