@@ -1,4 +1,4 @@
-"""kimi-mini's routing trace, a debug wrapper kept out of the production forward: forward hooks
+"""The Kimi parity models' routing trace (kimi-mini and kimi-linear), a debug wrapper kept out of the production forward: forward hooks
 on a parity model's layers record, per engine step, each token's request key (the request's
 first state / cache block) and position, the experts each MoE layer chose and the positions
 each indexer selected. Tests compare that with the trainer's teacher-forced routing
@@ -31,7 +31,8 @@ class RoutingTrace:
         ]
         for i, layer in enumerate(model.model.layers):
             hooks.append(layer.self_attn.register_forward_hook(self._mixer_hook(i, layer.kind)))
-            hooks.append(layer.mlp.register_forward_hook(self._moe_hook(i, spec)))
+            if hasattr(layer.ffn, "gate"):  # kimi-linear's first_k_dense_replace layers route nothing
+                hooks.append(layer.ffn.register_forward_hook(self._moe_hook(i, spec)))
         self._hooks = hooks
 
     def remove(self) -> None:
@@ -83,7 +84,8 @@ class RoutingTrace:
             if not self._n:
                 return
             (h,) = args
-            experts, _ = kimi.route(spec, module.gate.weight, h)
+            bias = module.gate.e_score_correction_bias if spec.is_linear else None
+            experts, _ = kimi.route(spec, module.gate.weight, h, bias)
             self._step[f"layers.{i}.mlp.experts"] = experts[: self._n].clone()
 
         return hook

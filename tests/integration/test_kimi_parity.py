@@ -1,6 +1,6 @@
 """kimi-mini end to end on real vLLM and real Megatron: `kimi-rl parity check` (fp32 and bf16,
 with and without a LoRA adapter), the discrete choices (experts per token, the indexer's
-positions) compared between the two engines, and a 3-step PPO run with bitwise parity.
+positions; kimi-mini and kimi-linear) compared between the two engines, and a 3-step PPO run with bitwise parity.
 
 Prompts run from 1 to 300 tokens (the indexer keeps index_topk = 16 of them, so the sparsity
 really selects), batch sizes 1 and 16, and a 64-token step budget chunks the long prompts and
@@ -50,17 +50,29 @@ def test_kimi_rollout_logprobs_equal_trainer_logprobs(model_factory, prompt_file
     assert report["max_abs_diff"] == report["kl_k1"] == report["kl_k3"] == 0.0
 
 
-def test_kimi_experts_and_indexer_positions_equal_trainer(model_factory, prompt_file, megatron, tmp_path):
+# kimi-linear with DeepSeek-V3.2's indexer (a low-rank query, K3's output gate): grouped routing
+# with e_score_correction_bias after a dense first layer.
+KIMI_LINEAR_INDEXER = dict(q_lora_rank=48, index_n_heads=4, index_head_dim=32, index_topk=16,
+                           mla_use_output_gate=True)
+
+
+@pytest.mark.parametrize("arch", ["kimi-mini", "kimi-linear"])
+def test_kimi_experts_and_indexer_positions_equal_trainer(model_factory, prompt_file, megatron, tmp_path, arch):
     """The rollout engine's per-token choices (traced while it samples, prefill chunks and
     decode steps alike) equal the trainer's from one teacher-forced forward of the same tokens,
     with a LoRA adapter on both sides (it moves the hidden states the router and indexer see)."""
     from rl.checker import load_adapter
+    from rl.models import init_model
     from rollout.engine import RolloutEngine
     from trainer.megatron.kimi import routing_trace
     from trainer.megatron.lora import apply_lora, load_peft_state_dict
     from trainer.megatron.model import load_model
 
-    model_dir = model_factory("kimi-mini", "bf16")
+    if arch == "kimi-mini":
+        model_dir = model_factory("kimi-mini", "bf16")
+    else:
+        model_dir = str(init_model(arch=arch, preset="tiny", seed=0, out_dir=tmp_path / "model", dtype="bf16",
+                                   overrides=KIMI_LINEAR_INDEXER))
     spec = KimiSpec.from_dir(model_dir)
     adapter = load_adapter(write_random_adapter(model_dir, tmp_path / "adapter"))
     prompts = [json.loads(line)["prompt_ids"] for line in prompt_file.read_text().splitlines()]
@@ -84,8 +96,11 @@ def test_kimi_experts_and_indexer_positions_equal_trainer(model_factory, prompt_
         processed = len(seq) - 1  # the last sampled token is never fed back
         for i, kind in enumerate(spec.layer_types):
             key = f"layers.{i}.mlp.experts"
-            assert rollout[key].shape[0] == processed
-            assert torch.equal(rollout[key], train[key][:processed]), key
+            if i >= spec.first_k_dense_replace:  # a dense first layer routes nothing
+                assert rollout[key].shape[0] == processed
+                assert torch.equal(rollout[key], train[key][:processed]), key
+            else:
+                assert key not in rollout and key not in train
             if kind == "mla":
                 key = f"layers.{i}.self_attn.selected"
                 assert torch.equal(rollout[key], train[key][:processed]), key
