@@ -432,6 +432,15 @@ def _reserved_layout(args: CheckArgs, adapter: Adapter | None) -> AdapterLayout 
     return AdapterLayout(lora_rank, tuple(targets), alpha / lora_rank)
 
 
+def engine_processes(rollout_tp: int, rollout_isa: str | None = None) -> bool:
+    """Whether a check's vLLM engine runs in processes of its own. On the CPU at TP 1 it runs in
+    this one (closed before the trainer re-scores): two fewer Python processes to start, each
+    importing torch and vLLM (~15 s on 2 cores). TP > 1 and --rollout-isa need the engine's own
+    processes (the ISA is read when they start); on CUDA they keep vLLM's reservation of GPU
+    memory out of the process the trainer then scores in."""
+    return rollout_tp > 1 or rollout_isa is not None or torch.cuda.is_available()
+
+
 def sample_in_vllm(
     args: CheckArgs, spec, prompts: list[list[int]], context: int, adapter, console
 ) -> tuple[dict[int, list], dict]:
@@ -452,10 +461,7 @@ def sample_in_vllm(
             max_num_seqs=max(args.batch_sizes),
             max_num_batched_tokens=args.max_num_batched_tokens,
             tensor_parallel_size=args.rollout_tp,
-            # At TP 1, vLLM runs in this process (closed before the trainer re-scores): two
-            # fewer Python processes to start, each importing torch and vLLM (~15 s on 2 cores).
-            # --rollout-isa needs processes of the engine's own, which read it when they start.
-            multiprocess=args.rollout_tp > 1 or args.rollout_isa is not None,
+            multiprocess=engine_processes(args.rollout_tp, args.rollout_isa),
             enforce_eager=not args.cuda_graphs,
             adapter_layout=_reserved_layout(args, adapter), isa=args.rollout_isa,
             kv_cache_dtype=args.kv_cache_dtype,

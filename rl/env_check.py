@@ -34,6 +34,7 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
 
     from parity.hf_config import register_hf_config
     from parity.model_spec import load_spec
+    from rl.checker import engine_processes
     from rl.env import Budget, run_trajectories
     from rollout.engine import RolloutEngine, Stop
 
@@ -47,7 +48,7 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
     with RolloutEngine(str(args.model), dtype=args.dtype, parity=args.parity, seed=args.seed,
                        max_model_len=context, max_num_seqs=max(len(samples), 1),
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       tensor_parallel_size=args.rollout_tp, multiprocess=args.rollout_tp > 1,
+                       tensor_parallel_size=args.rollout_tp, multiprocess=engine_processes(args.rollout_tp),
                        prefix_caching=getattr(args, "prefix_caching", None),
                        kv_cache_dtype=args.kv_cache_dtype) as engine:
 
