@@ -432,15 +432,6 @@ def _reserved_layout(args: CheckArgs, adapter: Adapter | None) -> AdapterLayout 
     return AdapterLayout(lora_rank, tuple(targets), alpha / lora_rank)
 
 
-def engine_processes(rollout_tp: int, rollout_isa: str | None = None) -> bool:
-    """Whether a check's vLLM engine runs in processes of its own. On the CPU at TP 1 it runs in
-    this one (closed before the trainer re-scores): two fewer Python processes to start, each
-    importing torch and vLLM (~15 s on 2 cores). TP > 1 and --rollout-isa need the engine's own
-    processes (the ISA is read when they start); on CUDA they keep vLLM's reservation of GPU
-    memory out of the process the trainer then scores in."""
-    return rollout_tp > 1 or rollout_isa is not None or torch.cuda.is_available()
-
-
 def sample_in_vllm(
     args: CheckArgs, spec, prompts: list[list[int]], context: int, adapter, console
 ) -> tuple[dict[int, list], dict]:
@@ -450,6 +441,7 @@ def sample_in_vllm(
     in: the same tokens at every batch size (the later batch sizes hit the prefix cache)."""
     from rich.progress import Progress
 
+    from rl.env_check import engine_processes
     from rollout.engine import RolloutEngine
 
     samples: dict[int, list] = {}

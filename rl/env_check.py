@@ -27,6 +27,15 @@ class EnvCheckResult:
     diffs: list[torch.Tensor]  # |rollout - trainer| over each trajectory's model tokens
 
 
+def engine_processes(rollout_tp: int, rollout_isa: str | None = None) -> bool:
+    """Whether a check's vLLM engine runs in processes of its own. On the CPU at TP 1 it runs in
+    this one (closed before the trainer re-scores): two fewer Python processes to start, each
+    importing torch and vLLM (~15 s on 2 cores). TP > 1 and --rollout-isa need the engine's own
+    processes (the ISA is read when they start); on CUDA they keep vLLM's reservation of GPU
+    memory out of the process the trainer then scores in."""
+    return rollout_tp > 1 or rollout_isa is not None or torch.cuda.is_available()
+
+
 def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, list[list], list]:
     """(trajectories, the engine's raw completions per turn, the environments), from one vLLM
     engine."""
@@ -34,7 +43,6 @@ def sample_trajectories(args: Any, env_cls: Any, samples: list) -> tuple[list, l
 
     from parity.hf_config import register_hf_config
     from parity.model_spec import load_spec
-    from rl.checker import engine_processes
     from rl.env import Budget, run_trajectories
     from rollout.engine import RolloutEngine, Stop
 
