@@ -406,10 +406,15 @@ def dense_mlp(m, h: torch.Tensor) -> torch.Tensor:
     return moe_lib.swiglu(m, h)
 
 
+def route_module(m, spec: KimiSpec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` with the router of MoE module m (its gate, and kimi-linear's bias)."""
+    bias = m.gate.e_score_correction_bias if spec.is_linear else None
+    return route(spec, m.gate.weight, h, bias)
+
+
 def moe(m, spec: KimiSpec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MoE feed-forward on tokens h [N, hidden]: (output [N, hidden], chosen experts [N, k])."""
-    bias = m.gate.e_score_correction_bias if spec.is_linear else None
-    experts, weights = route(spec, m.gate.weight, h, bias)
+    experts, weights = route_module(m, spec, h)
     shared = m.shared_experts if spec.n_shared_experts else None
     return moe_lib.dispatch(m.experts, spec.n_routed_experts, h, experts, weights, shared), experts
 

@@ -13,10 +13,10 @@ How each kind of line is caught:
   workers, Megatron and DeepSpeed ranks, Ray workers of a local cluster).
 - Log records (`LOG_NOISE`): a `NoiseFilter` on each listed logger in this process (a logger's
   filter sees its records whether a handler is set up yet or not). vLLM's spawned processes
-  (EngineCore and workers when vLLM runs multiprocess: `parity check --rollout-isa`, or a
-  rollout at TP > 1) run none of our code before their imports, so vLLM's own logging is pointed at a
-  config file (`VLLM_LOGGING_CONFIG_PATH`, inherited) whose handler is vLLM's default one
-  with a `NoiseFilter` on it.
+  (EngineCore and workers when vLLM runs multiprocess: `parity check --rollout-isa`, a
+  rollout at TP > 1) run none of our code before their imports, so vLLM's own logging is
+  pointed at a config file (`VLLM_LOGGING_CONFIG_PATH`, inherited) whose handler is vLLM's
+  default one with a `NoiseFilter` on it.
 - C++ warnings written straight to fd 2 (torch's `TORCH_WARN` outside a Python call, e.g.
   vLLM's "NUMA binding: Using MEMBIND policy ..."): only torch's own level variable reaches
   them, `TORCH_CPP_LOG_LEVEL=ERROR`. That hides every such C++ warning, not only the NUMA one;

@@ -1,12 +1,13 @@
-"""The Kimi parity models' routing trace (kimi-mini and kimi-linear), a debug wrapper kept out of the production forward: forward hooks
-on a parity model's layers record, per engine step, each token's request key (the request's
-first state / cache block) and position, the experts each MoE layer chose and the positions
-each indexer selected. Tests compare that with the trainer's teacher-forced routing
-(`trace_by_request` reassembles the steps per request). Nothing here runs unless a trace is on.
+"""The Kimi parity models' routing trace (kimi-mini and kimi-linear), a debug wrapper kept out
+of the production forward: forward hooks on a parity model's layers record, per engine step,
+each token's request key (the request's first state / cache block) and position, the experts
+each MoE layer chose and the positions each indexer selected. Tests compare that with the
+trainer's teacher-forced routing (`trace_by_request` reassembles the steps per request).
+Nothing here runs unless a trace is on.
 
 The hooks recompute what they report from the layer's inputs, with the model's own functions:
-the router (`parity.kimi.route`, a pure function of the hidden states) and the MLA layer's
-`select` (idempotent: it rewrites the same cache entries and re-runs the indexer).
+the router (`parity.kimi.route_module`, a pure function of the hidden states) and the MLA
+layer's `select` (idempotent: it rewrites the same cache entries and re-runs the indexer).
 """
 
 from __future__ import annotations
@@ -84,8 +85,7 @@ class RoutingTrace:
             if not self._n:
                 return
             (h,) = args
-            bias = module.gate.e_score_correction_bias if spec.is_linear else None
-            experts, _ = kimi.route(spec, module.gate.weight, h, bias)
+            experts, _ = kimi.route_module(module, spec, h)
             self._step[f"layers.{i}.mlp.experts"] = experts[: self._n].clone()
 
         return hook

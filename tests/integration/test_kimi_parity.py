@@ -1,6 +1,7 @@
 """kimi-mini end to end on real vLLM and real Megatron: `kimi-rl parity check` (fp32 and bf16,
 with and without a LoRA adapter), the discrete choices (experts per token, the indexer's
-positions; kimi-mini and kimi-linear) compared between the two engines, and a 3-step PPO run with bitwise parity.
+positions; kimi-mini and kimi-linear) compared between the two engines, and a 3-step PPO run
+with bitwise parity.
 
 Prompts run from 1 to 300 tokens (the indexer keeps index_topk = 16 of them, so the sparsity
 really selects), batch sizes 1 and 16, and a 64-token step budget chunks the long prompts and
