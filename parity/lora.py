@@ -1,7 +1,10 @@
 """LoRA math shared by both engines, on the fused layouts of parity/layouts.py.
 
 An adapter is a set of (A [r, in], B [out, r]) pairs named by the HF module they adapt
-(q_proj ... down_proj). Both engines compute a fused linear's output as
+(q_proj ... down_proj). On qwen3-moe the MLP targets adapt every expert of a sparse layer
+(`mlp.experts.{e}.gate_proj` ..., the checkpoint's per-expert names; the router `mlp.gate`
+takes no adapter) and the dense MLP of the other layers. Both engines compute a fused linear's
+output (an expert's [gate; up] and down included) as
 
     out = linear(x, W_fused) + pack(linear(linear(x, A_part), B_part) * scaling per part)
 
@@ -60,18 +63,28 @@ class AdapterLayout:
         return cls(int(d["rank"]), tuple(d["targets"]), float(d["scaling"]))
 
 
+def layer_linears(spec, layer: int) -> list[tuple[str, int | None]]:
+    """(fused, expert) of every linear of decoder layer `layer` that can hold an adapter, in the
+    order both engines list them: qkv, o, then the dense MLP's gate_up, down (expert None) or, in
+    a qwen3-moe sparse layer, each expert's gate_up, down (expert 0, 1, ...)."""
+    out: list[tuple[str, int | None]] = [("qkv", None), ("o", None)]
+    experts = range(spec.num_experts) if spec.is_moe_layer(layer) else (None,)
+    return out + [(fused, e) for e in experts for fused in ("gate_up", "down")]
+
+
 def adapter_shapes(spec, layout: AdapterLayout) -> dict[str, tuple[int, int]]:
     """{peft name: shape} of every tensor of a `layout` adapter on a Llama-family model, in the
-    trainer's order (layer, fused linear, part, A before B: trainer.megatron.lora.peft_state_dict),
-    so a sync's wire index (parity.wire) equals the reserved one."""
-    shapes = part_shapes(spec)
+    trainer's order (layer, fused linear of layer_linears, part, A before B:
+    trainer.megatron.lora.peft_state_dict), so a sync's wire index (parity.wire) equals the
+    reserved one."""
     out = {}
     for layer in range(spec.num_layers):
-        for parts in FUSED_PARTS.values():
-            for target in (t for t in parts if t in layout.targets):
+        for fused, expert in layer_linears(spec, layer):
+            shapes = part_shapes(spec, expert=expert is not None)
+            for target in (t for t in FUSED_PARTS[fused] if t in layout.targets):
                 fan_in, fan_out = shapes[target]
-                out[peft_key(layer, target, "A")] = (layout.rank, fan_in)
-                out[peft_key(layer, target, "B")] = (fan_out, layout.rank)
+                out[peft_key(layer, target, "A", expert)] = (layout.rank, fan_in)
+                out[peft_key(layer, target, "B", expert)] = (fan_out, layout.rank)
     return out
 
 
@@ -99,15 +112,19 @@ def fused_delta(
     return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
 
-def peft_key(layer: int, target: str, which: str) -> str:
-    """peft's state-dict name for a LoRA matrix (which: "A" | "B")."""
+def peft_key(layer: int, target: str, which: str, expert: int | None = None) -> str:
+    """peft's state-dict name for a LoRA matrix (which: "A" | "B"); `expert` e names the MLP
+    target of a sparse layer's expert e (`mlp.experts.{e}.gate_proj`, the checkpoint's module)."""
     block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    if expert is not None:
+        block = f"mlp.experts.{expert}"
     return f"base_model.model.model.layers.{layer}.{block}.{target}.lora_{which}.weight"
 
 
-def part_shapes(spec) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each HF target for a parity.model_spec.ModelSpec."""
-    h, i = spec.hidden_size, spec.intermediate_size
+def part_shapes(spec, expert: bool = False) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each HF target for a parity.model_spec.ModelSpec; with
+    `expert`, the MLP targets are a qwen3-moe expert's (moe_intermediate_size wide)."""
+    h, i = spec.hidden_size, spec.moe_intermediate_size if expert else spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     return {
         "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),

@@ -31,10 +31,6 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 KV_CACHE_DTYPE_KEY = "kimi_rl_kv_cache_dtype"
 
 
-# The LoRA targets a qwen3-moe model takes (ModelSpec.check_lora_targets).
-QWEN3_MOE_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
 def parity_architecture(hf_architecture: str) -> str:
     """The name vLLM registers the parity implementation of an HF architecture under."""
     if hf_architecture not in ARCHITECTURES.values():
@@ -75,13 +71,12 @@ class ModelSpec:
         return self.arch in ("qwen3", "qwen3-moe")
 
     def check_lora_targets(self, targets: Iterable[str]) -> None:
-        """ValueError unless LoRA can adapt `targets` on this model: on qwen3-moe, the attention
-        projections only (its experts' linears take no adapter)."""
-        if self.num_experts:
-            mlp = [t for t in targets if t not in QWEN3_MOE_LORA_TARGETS]
-            if mlp:
-                raise ValueError(f"qwen3-moe: LoRA adapts the attention projections only "
-                                 f"({', '.join(QWEN3_MOE_LORA_TARGETS)}); got {', '.join(mlp)}")
+        """ValueError if `targets` name the qwen3-moe router (`gate`): LoRA adapts the attention
+        projections, the dense MLPs and every expert's gate_proj / up_proj / down_proj, never
+        the router (it routes in fp32 from its checkpoint weight alone: no adapter path is built)."""
+        if self.num_experts and "gate" in targets:
+            raise ValueError("qwen3-moe: the MoE router (mlp.gate) takes no LoRA adapter; the experts' "
+                             "gate_proj, up_proj and down_proj do")
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i has the sparse MoE block (transformers' Qwen3MoeDecoderLayer rule)."""

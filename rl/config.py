@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
-from parity.model_spec import ARCHITECTURES, KIMI_FORMATS, QWEN3_MOE_LORA_TARGETS
+from parity.model_spec import ARCHITECTURES, KIMI_FORMATS
 from parity.settings import setting
 from rl.errors import UserError
 from rollout.config import RolloutConfig
@@ -365,6 +365,9 @@ def _check(cfg: Config, sources: _Sources) -> None:
     if not (model_dir / "config.json").is_file():
         raise err("model.path", f"{model_dir} has no config.json (not a Hugging Face model)")
     for i, module in enumerate(cfg.lora.target_modules):
+        if module == "gate":  # the MoE router: its experts' projections are the targets
+            raise err(f"lora.target_modules[{i}]", "'gate' is the MoE router (mlp.gate), which takes no "
+                      "LoRA adapter; gate_proj, up_proj and down_proj adapt every expert")
         if module not in LORA_MODULES:
             raise err(f"lora.target_modules[{i}]", f"expected one of {', '.join(LORA_MODULES)}; "
                       f"got {module!r}")
@@ -522,9 +525,6 @@ def _check_model_fit(cfg: Config, sources: _Sources, model_dir: Path) -> None:
             if module in KIMI_ONLY_LORA_MODULES:
                 raise err("lora.target_modules", f"{module!r} exists in the Kimi architectures' layers only, "
                           f"not in {architectures[0]}")
-            if architectures[0] == ARCHITECTURES["qwen3-moe"] and module not in QWEN3_MOE_LORA_TARGETS:
-                raise err("lora.target_modules", f"{module!r}: qwen3-moe takes LoRA on the attention "
-                          f"projections only ({', '.join(QWEN3_MOE_LORA_TARGETS)})")
     if kimi and cfg.lora.enabled and not cfg.rollout.enforce_eager:
         raise err("rollout.enforce_eager", f"is false with lora on {architectures[0]}: its parity model cannot "
                   "reserve the adapter before vLLM compiles and captures (Llama and Qwen3 can)")

@@ -21,7 +21,8 @@ then `rms_norm(x, norm)`; `compute_logits` is `linear(x, lm_head)` in the model 
 sampler turns it into log-probs with `log_softmax(dtype=float32)`, i.e. `kernels.log_softmax`).
 
 LoRA. Each fused linear can hold an adapter (`set_adapter`, peft-named tensors in the model
-dtype). Its output is then `linear(x, W) + parity.lora.fused_delta(...)`, the very ops the
+dtype); so can each qwen3-moe expert's [gate; up] and down, under the checkpoint's per-expert
+names (`mlp.experts.{e}.gate_proj` ...). Its output is then `linear(x, W) + parity.lora.fused_delta(...)`, the very ops the
 trainer's `_LoRAMixin` runs, so log-probs stay bitwise equal to the trainer with the adapter on.
 Without an adapter a linear runs only `linear(x, W)`, the base path.
 """
@@ -43,6 +44,7 @@ from parity.lora import (
     Pair,
     adapter_shapes,
     fused_delta,
+    layer_linears,
     part_shapes,
     peft_key,
 )
@@ -60,7 +62,8 @@ class _Weight(nn.Module):
 
 
 class _FusedLinear(PackedWeight):
-    """A fused linear ("qkv" | "o" | "gate_up" | "down") that can hold a LoRA adapter.
+    """A fused linear ("qkv" | "o" | "gate_up" | "down"; `expert`: a qwen3-moe expert's) that
+    can hold a LoRA adapter.
 
     The adapter's pairs are a plain dict attribute, not registered parameters or buffers:
     vLLM's in-place weight reload and its weight checksums walk the registered tensors, and an
@@ -68,9 +71,10 @@ class _FusedLinear(PackedWeight):
     """
 
     def __init__(
-        self, fused: str, spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1
+        self, fused: str, spec: ModelSpec, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+        expert: bool = False,
     ) -> None:
-        shapes = part_shapes(spec)
+        shapes = part_shapes(spec, expert)
         parts = FUSED_PARTS[fused]
         out, fan_in = sum(shapes[n][1] for n in parts), shapes[parts[0]][0]
         if fused in tp.ROW_PARALLEL:
@@ -82,7 +86,9 @@ class _FusedLinear(PackedWeight):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.out_features = {n: shapes[n][1] for n in parts}
         self.num_kv_heads = spec.num_kv_heads
-        self.k_splits = tp.fused_k_splits(spec, fused, tp_size)  # this rank's K-slices
+        # This rank's K-slices. An expert (qwen3-moe: TP 1) runs one chain over the whole K,
+        # as the trainer's expert linear does; the dense row-parallel layers keep row_splits.
+        self.k_splits = 1 if expert else tp.fused_k_splits(spec, fused, tp_size)
         self.pairs: dict[str, Pair] = {}  # HF target -> (A [r, in], B [out, r]), model dtype
         self.scaling = 0.0
 
@@ -181,31 +187,27 @@ class ParityMLP(nn.Module):
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(h)))
 
 
-class _ExpertLinear(PackedWeight):
-    """A linear of one expert (no adapter, no TP: qwen3-moe runs at TP 1)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, packed=self.pack())
-
-
 class _Expert(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype) -> None:
+    """One expert: [gate; up] and down, each able to hold the expert's own adapter pairs (no
+    TP: qwen3-moe runs at TP 1)."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_proj = _ExpertLinear(2 * inter, hidden, dtype=dtype)  # [gate; up]
-        self.down_proj = _ExpertLinear(hidden, inter, dtype=dtype)
+        self.gate_up_proj = _FusedLinear("gate_up", spec, dtype, expert=True)
+        self.down_proj = _FusedLinear("down", spec, dtype, expert=True)
 
 
 class ParitySparseMoe(nn.Module):
-    """Qwen3-MoE's sparse block: `gate` (the router) and `experts.{e}`, through parity/moe.py
-    (the routing and expert dispatch the trainer runs too)."""
+    """Qwen3-MoE's sparse block: `gate` (the router, never adapted) and `experts.{e}`, through
+    parity/moe.py (the routing and expert dispatch the trainer runs too). An expert with an
+    adapter adds its delta to the rows routed to it: the delta is row-wise (the same parity
+    kernels as a dense linear's), so a token's bits still depend on its own row alone."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
         super().__init__()
         self.spec = spec
         self.gate = _Weight(spec.num_experts, spec.hidden_size, dtype=dtype)
-        self.experts = nn.ModuleList(
-            _Expert(spec.hidden_size, spec.moe_intermediate_size, dtype) for _ in range(spec.num_experts)
-        )
+        self.experts = nn.ModuleList(_Expert(spec, dtype) for _ in range(spec.num_experts))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -262,50 +264,72 @@ class ParityModel(nn.Module):
         return kernels.rms_norm(x, self.norm.weight, self.spec.rms_norm_eps)
 
 
-# peft's LoRA names (parity.lora.peft_key): layer, target, "A" | "B".
-_PEFT_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight$")
+# peft's LoRA names (parity.lora.peft_key): layer, expert (qwen3-moe's sparse layers), target,
+# "A" | "B".
+_PEFT_RE = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.\w+\.(?:experts\.(\d+)\.)?(\w+)\.lora_([AB])\.weight$"
+)
+
+# An adapter's pairs: {(layer, expert or None, HF target): (A, B)}.
+Pairs = dict[tuple[int, int | None, str], Pair]
 
 
-def adapter_pairs(
-    spec: ModelSpec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], scaling: float
-) -> dict[tuple[int, str], Pair]:
+def _where(layer: int, expert: int | None, target: str) -> str:
+    return f"layer {layer} " + (f"expert {expert} " if expert is not None else "") + target
+
+
+def adapter_pairs(spec: ModelSpec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], scaling: float) -> Pairs:
     """Check a LoRA adapter for a model (peft names, the model dtype, rank-r shapes, finite
-    scaling; ValueError otherwise) and pair its tensors: {(layer, target): (A, B)}."""
+    scaling; ValueError otherwise) and pair its tensors: {(layer, expert, target): (A, B)},
+    expert None except for the MLP targets of a qwen3-moe sparse layer (one pair per expert)."""
     if not tensors:
         raise ValueError("empty adapter (clear_adapter removes one)")
-    spec.check_lora_targets({m[2] for m in map(_PEFT_RE.match, tensors) if m is not None})
+    spec.check_lora_targets({m[3] for m in map(_PEFT_RE.match, tensors) if m is not None})
     if not math.isfinite(scaling):
         raise ValueError(f"scaling must be finite, got {scaling}")
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    found: dict[tuple[int, int | None, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         m = _PEFT_RE.match(name)
-        if m is None or m[2] not in TARGETS or peft_key(int(m[1]), m[2], m[3]) != name:
+        expert = None if m is None or m[2] is None else int(m[2])
+        if m is None or m[3] not in TARGETS or peft_key(int(m[1]), m[3], m[4], expert) != name:
             raise ValueError(f"not a peft LoRA tensor name: {name!r}")
-        layer, target, which = int(m[1]), m[2], m[3]
+        layer, target, which = int(m[1]), m[3], m[4]
         if layer >= spec.num_layers:
             raise ValueError(f"{name}: the model has {spec.num_layers} layers")
+        if (target, expert) not in _adaptable(spec, layer):
+            raise ValueError(f"{name}: {_layer_kind(spec, layer)} has no such module")
         if tensor.dtype != dtype:
             # A silent cast here could round differently from the trainer's: the caller sends
             # the tensors the trainer computes with (trainer.megatron.lora.rollout_tensors).
             raise ValueError(f"{name}: dtype {tensor.dtype}, the model computes in {dtype}")
-        found.setdefault((layer, target), {})[which] = tensor.detach()
-    shapes = part_shapes(spec)
+        found.setdefault((layer, expert, target), {})[which] = tensor.detach()
     pairs = {}
-    for (layer, target), ab in found.items():
+    for (layer, expert, target), ab in found.items():
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"layer {layer} {target}: needs lora_A and lora_B, got {sorted(ab)}")
+            raise ValueError(f"{_where(layer, expert, target)}: needs lora_A and lora_B, got {sorted(ab)}")
         a, b = ab["A"], ab["B"]
-        fan_in, fan_out = shapes[target]
+        fan_in, fan_out = part_shapes(spec, expert is not None)[target]
         if not (
             a.dim() == 2 and b.dim() == 2 and a.shape[0] == b.shape[1] > 0
             and a.shape[1] == fan_in and b.shape[0] == fan_out
         ):
             raise ValueError(
-                f"layer {layer} {target}: A {tuple(a.shape)} and B {tuple(b.shape)} are not"
+                f"{_where(layer, expert, target)}: A {tuple(a.shape)} and B {tuple(b.shape)} are not"
                 f" [r, {fan_in}] and [{fan_out}, r]"
             )
-        pairs[(layer, target)] = (a, b)
+        pairs[(layer, expert, target)] = (a, b)
     return pairs
+
+
+def _adaptable(spec: ModelSpec, layer: int) -> set[tuple[str, int | None]]:
+    """(target, expert) of every module of `layer` that takes an adapter."""
+    return {(t, e) for fused, e in layer_linears(spec, layer) for t in FUSED_PARTS[fused]}
+
+
+def _layer_kind(spec: ModelSpec, layer: int) -> str:
+    if spec.is_moe_layer(layer):
+        return f"layer {layer} is sparse (its MLP targets are per expert, experts 0..{spec.num_experts - 1})"
+    return f"layer {layer} is dense"
 
 
 class ParityLlamaForCausalLM(nn.Module, SyncedModel):
@@ -434,13 +458,18 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
 
     # --- LoRA (the sync itself: rollout/sync.py) --------------------------------------------
 
-    def _fused_linears(self) -> Iterator[tuple[int, _FusedLinear]]:
+    def _fused_linears(self) -> Iterator[tuple[int, int | None, _FusedLinear]]:
+        """(layer, expert, linear) in parity.lora.layer_linears order (expert None: not an expert's)."""
         for i, layer in enumerate(self.model.layers):
-            yield i, layer.self_attn.qkv_proj
-            yield i, layer.self_attn.o_proj
-            if isinstance(layer.mlp, ParityMLP):  # a sparse MoE block's experts take no adapter
-                yield i, layer.mlp.gate_up_proj
-                yield i, layer.mlp.down_proj
+            yield i, None, layer.self_attn.qkv_proj
+            yield i, None, layer.self_attn.o_proj
+            if isinstance(layer.mlp, ParityMLP):
+                yield i, None, layer.mlp.gate_up_proj
+                yield i, None, layer.mlp.down_proj
+                continue
+            for e, expert in enumerate(layer.mlp.experts):
+                yield i, e, expert.gate_up_proj
+                yield i, e, expert.down_proj
 
     def _adapter_pairs(self, tensors: dict[str, torch.Tensor], scaling: float):
         return adapter_pairs(self.spec, self.dtype, tensors, scaling)
@@ -450,18 +479,21 @@ class ParityLlamaForCausalLM(nn.Module, SyncedModel):
         return adapter_shapes(self.spec, layout)
 
     def _adapter_linears(self) -> Iterator[_FusedLinear]:
-        return (linear for _, linear in self._fused_linears())
+        return (linear for *_, linear in self._fused_linears())
 
-    def _hold(self, pairs: dict[tuple[int, str], Pair], scaling: float, *, copy: bool) -> None:
-        for i, linear in self._fused_linears():
-            mine = {t: p for (layer, t), p in pairs.items() if layer == i and t in linear.out_features}
+    def _hold(self, pairs: Pairs, scaling: float, *, copy: bool) -> None:
+        by_linear: dict[tuple[int, int | None], dict[str, Pair]] = {}
+        for (layer, expert, target), pair in pairs.items():
+            by_linear.setdefault((layer, expert), {})[target] = pair
+        for i, e, linear in self._fused_linears():
+            mine = {t: p for t, p in by_linear.get((i, e), {}).items() if t in linear.out_features}
             if copy:
                 linear.hold(mine, scaling)
             else:
                 linear.pairs, linear.scaling = mine, scaling
 
     def _held(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for i, linear in self._fused_linears():
+        for i, e, linear in self._fused_linears():
             for target, pair in linear.pairs.items():
                 for which, tensor in zip("AB", pair, strict=True):
-                    yield peft_key(i, target, which), tensor
+                    yield peft_key(i, target, which, e), tensor

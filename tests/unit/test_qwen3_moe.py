@@ -1,7 +1,8 @@
 """qwen3-moe (Qwen3MoeForCausalLM) without the engines: `model init` writes a checkpoint
 transformers loads with no missing or unexpected keys, the spec reads its MoE fields (and names
 the field it refuses), the name map covers the checkpoint and round-trips bitwise, the routing
-is transformers' formula and batch invariant, and TP / expert LoRA are refused in one line."""
+is transformers' formula and batch invariant, TP and LoRA on the router are refused in one line,
+and a LoRA adapter names every expert's projections (the checkpoint's per-expert modules)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from parity import moe, tp, weights
+from parity.lora import TARGETS, AdapterLayout, adapter_shapes, peft_key
 from parity.model_spec import ModelSpec, load_spec
 from rl.errors import UserError
 from rl.models import init_model, parse_overrides
@@ -99,28 +101,60 @@ def test_softmax_route_is_transformers_formula_and_batch_invariant(renormalize):
         assert torch.equal(e1[0], experts[i]) and torch.equal(w1[0], w[i])
 
 
-def test_tp_and_expert_lora_refused(tiny):
+def test_tp_and_router_lora_refused(tiny):
     spec = load_spec(tiny)
     with pytest.raises(ValueError, match="^qwen3-moe runs without tensor parallelism: tensor_parallel_size must be 1, got 2$"):
         tp.check_tp(spec, 2)
     tp.check_tp(spec, 1)
-    spec.check_lora_targets(["q_proj", "k_proj", "v_proj", "o_proj"])
-    with pytest.raises(ValueError, match="^qwen3-moe: LoRA adapts the attention projections only .*; got up_proj$"):
-        spec.check_lora_targets(["q_proj", "up_proj"])
+    spec.check_lora_targets(TARGETS)  # attention, dense MLP and every expert's projections
+    with pytest.raises(ValueError, match=r"^qwen3-moe: the MoE router \(mlp.gate\) takes no LoRA adapter; "):
+        spec.check_lora_targets(["q_proj", "gate"])
     dense = ModelSpec.from_hf_config({**_config(tiny), "architectures": ["Qwen3ForCausalLM"]})
     assert dense.num_experts == 0 and not dense.is_moe_layer(1)
     dense.check_lora_targets(["gate_proj"])
 
 
-def test_train_config_refuses_expert_lora_and_deepspeed(tiny, tmp_path):
+def test_adapter_shapes_name_every_expert_in_the_engines_order(tiny):
+    """A reserved adapter (and scripts/random_adapter.py) has one pair per expert of a sparse
+    layer under the checkpoint's per-expert module names, the dense layer 0 keeps its MLP pairs,
+    in the order parity.lora.layer_linears gives (the trainer's peft_state_dict order)."""
+    spec = load_spec(tiny)
+    shapes = adapter_shapes(spec, AdapterLayout(4, TARGETS, 2.0))
+    h, inter, dense = spec.hidden_size, spec.moe_intermediate_size, spec.intermediate_size
+    per_layer = 4 * 2 + 3 * 2  # q k v o, then gate up down, A and B each
+    assert len(shapes) == per_layer + (spec.num_layers - 1) * (4 * 2 + spec.num_experts * 3 * 2)
+    assert shapes[peft_key(0, "gate_proj", "A")] == (4, h) and shapes[peft_key(0, "down_proj", "A")] == (4, dense)
+    assert shapes[peft_key(1, "gate_proj", "B", expert=7)] == (inter, 4)
+    assert shapes[peft_key(3, "down_proj", "A", expert=0)] == (4, inter)
+    assert shapes[peft_key(3, "down_proj", "B", expert=0)] == (h, 4)
+    assert peft_key(2, "up_proj", "A", expert=5) == "base_model.model.model.layers.2.mlp.experts.5.up_proj.lora_A.weight"
+    assert not any(".mlp.gate_proj." in n for n in shapes if ".layers.0." not in n)  # sparse: experts only
+    assert not any(".experts." in n for n in shapes if ".layers.0." in n)
+    names = [n for n in shapes if ".layers.1." in n]
+    assert names[:10] == [
+        *(peft_key(1, t, w) for t in ("q_proj", "k_proj", "v_proj", "o_proj") for w in "AB"),
+        peft_key(1, "gate_proj", "A", expert=0), peft_key(1, "gate_proj", "B", expert=0),
+    ]
+    assert names[10:14] == [peft_key(1, t, w, expert=0) for t in ("up_proj", "down_proj") for w in "AB"]
+    assert names[14] == peft_key(1, "gate_proj", "A", expert=1)
+    # only the attention targets: no expert pairs at all
+    assert not any(".mlp." in n for n in adapter_shapes(spec, AdapterLayout(4, ("q_proj", "v_proj"), 2.0)))
+
+
+def test_train_config_takes_expert_lora_refuses_router_and_deepspeed(tiny, tmp_path):
     from rl.config import ConfigError, load_config
 
     base = ["run_dir=" + str(tmp_path / "run"), f"model.path={tiny}"]
     quickstart = "configs/quickstart.yaml"
     cfg = load_config(quickstart, [*base, "lora.target_modules=[q_proj, v_proj]"])
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
-    with pytest.raises(ConfigError, match="lora.target_modules.*'gate_proj': qwen3-moe takes LoRA on the attention"):
-        load_config(quickstart, base)  # the default targets include the MLP projections
+    cfg = load_config(quickstart, base)  # the default targets: attention and MLP, experts included
+    assert set(cfg.lora.target_modules) == set(TARGETS)
+    with pytest.raises(ConfigError, match=r"lora.target_modules\[1\].*'gate' is the MoE router \(mlp.gate\), "
+                       "which takes no LoRA adapter"):
+        load_config(quickstart, [*base, "lora.target_modules=[q_proj, gate]"])
+    with pytest.raises(ConfigError, match="lora.target_modules.*'w1' exists in the Kimi architectures"):
+        load_config(quickstart, [*base, "lora.target_modules=[w1]"])
     with pytest.raises(ConfigError, match="trainer.backend.*use trainer.backend megatron"):
         load_config(quickstart, [*base, "lora.target_modules=[q_proj]", "trainer.backend=deepspeed"])
     with pytest.raises(ConfigError, match="rollout.tensor_parallel_size.*qwen3-moe runs without tensor parallelism"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -39,14 +40,17 @@ FUSED_MODULES = {
 
 
 class LoRAAdapter(torch.nn.Module):
-    """A/B pairs for the HF targets of one fused linear."""
+    """A/B pairs for the HF targets of one fused linear (`expert` e: of a qwen3-moe expert)."""
 
-    def __init__(self, fused: str, targets: list[str], spec: ModelSpec, rank: int, alpha: float):
+    def __init__(
+        self, fused: str, targets: list[str], spec: ModelSpec, rank: int, alpha: float, expert: int | None = None,
+    ):
         super().__init__()
         self.fused = fused
+        self.expert = expert
         self.scaling = alpha / rank
         self.num_kv_heads = spec.num_kv_heads
-        shapes = part_shapes(spec)
+        shapes = part_shapes(spec, expert is not None)
         self.out_features = {n: shapes[n][1] for n in FUSED_PARTS[fused]}
         self.names = [n for n in FUSED_PARTS[fused] if n in targets]
         self.lora_A = torch.nn.ParameterDict()
@@ -83,11 +87,11 @@ def apply_lora(
         attach = [(linear, kimi_lib.KimiLoRAAdapter(linear, targets, rank, alpha))
                   for _, linear in kimi_lib.adaptable_linears(model, targets)]
     else:
-        spec.check_lora_targets(targets)  # qwen3-moe: the attention projections only
+        spec.check_lora_targets(targets)  # qwen3-moe: never the router
         attach = [
-            (with_lora_hook(layer.get_submodule(path)), LoRAAdapter(fused, targets, spec, rank, alpha))
+            (with_lora_hook(linear), LoRAAdapter(fused, targets, spec, rank, alpha, expert))
             for layer in model.decoder.layers
-            for fused, path in FUSED_MODULES.items()
+            for fused, expert, linear in _layer_linears(layer)
             if any(t in targets for t in FUSED_PARTS[fused])
         ]
     for linear, adapter in attach:
@@ -98,16 +102,28 @@ def apply_lora(
     torch.random.set_rng_state(gen_state)
 
 
+def _layer_linears(layer: torch.nn.Module) -> Iterator[tuple[str, int | None, torch.nn.Module]]:
+    """(fused, expert, linear) of a decoder layer, in parity.lora.layer_linears order: the
+    attention's, then the dense MLP's (expert None) or each expert's of a sparse block (the
+    parity SparseMoE or stock Megatron's MoE: both hold `experts.local_experts`)."""
+    yield "qkv", None, layer.get_submodule(FUSED_MODULES["qkv"])
+    yield "o", None, layer.get_submodule(FUSED_MODULES["o"])
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is None:
+        yield "gate_up", None, layer.get_submodule(FUSED_MODULES["gate_up"])
+        yield "down", None, layer.get_submodule(FUSED_MODULES["down"])
+        return
+    for e, expert in enumerate(experts.local_experts):
+        yield "gate_up", e, expert.linear_fc1
+        yield "down", e, expert.linear_fc2
+
+
 def _lora_linears(model: GPTModel):
     if kimi_lib.is_kimi(model):
         yield from kimi_lib.lora_linears_of(model)
         return
     for i, layer in enumerate(model.decoder.layers):
-        for path in FUSED_MODULES.values():
-            try:
-                linear = layer.get_submodule(path)
-            except AttributeError:  # a qwen3-moe sparse block has no fused MLP linears
-                continue
+        for _, _, linear in _layer_linears(layer):
             if getattr(linear, "lora", None) is not None:
                 yield i, linear
 
@@ -162,7 +178,7 @@ def _peft_key(layer: int, adapter: torch.nn.Module, name: str, which: str) -> st
     # kimi-mini adapters know their HF module paths (experts, MLA vs KDA projections).
     if isinstance(adapter, kimi_lib.KimiLoRAAdapter):
         return adapter.peft_key(name, which)
-    return peft_key(layer, name, which)
+    return peft_key(layer, name, which, adapter.expert)
 
 
 def rollout_tensors(model: GPTModel) -> dict[str, torch.Tensor]:

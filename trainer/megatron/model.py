@@ -34,12 +34,13 @@ from parity.dtypes import torch_dtype
 from parity.model_spec import KimiSpec, ModelSpec, check_kv_cache_dtype, hf_architecture, load_spec
 from parity.tp import check_tp, padded_vocab
 from trainer.megatron.convert import hf_to_megatron, shard_megatron_state
-from trainer.megatron.kimi import KimiExpert
 from trainer.megatron.layers import (
     ParityColumnParallelLinear,
     ParityCoreAttention,
     ParityRMSNorm,
     ParityRowParallelLinear,
+    _FrozenPack,
+    _LoRAMixin,
     common_config,
 )
 from trainer.megatron.patches import bind_router_gemm_without_te, cpu_current_device
@@ -69,10 +70,41 @@ class _Router(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype))
 
 
+class ExpertLinear(_FrozenPack, _LoRAMixin, torch.nn.Module):
+    """One expert's linear_fc1 ([gate; up]) or linear_fc2 (down): `kernels.linear` over the
+    whole K (the rollout expert's single chain), plus the active adapter slot's delta
+    (trainer.megatron.lora.LoRAAdapter: parity.lora.fused_delta, the rollout's call)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        # Zeros: overwritten by the checkpoint (load_hf_weights loads strictly).
+        self.weight = torch.nn.Parameter(torch.zeros(out_features, in_features, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = kernels.linear(x, self.weight, packed=self.packed(self.weight))
+        adapter = self.active_adapter()
+        delta = adapter.delta(x) if adapter is not None else None
+        return out if delta is None else out + delta
+
+
+class Expert(torch.nn.Module):
+    """One SwiGLU expert: linear_fc1 = [gate; up] fused, linear_fc2 = down (Megatron's names);
+    gate_up_proj / down_proj as parity/moe.py reads them."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.linear_fc1 = ExpertLinear(hidden, 2 * inter, dtype)
+        self.linear_fc2 = ExpertLinear(inter, hidden, dtype)
+
+    gate_up_proj = property(lambda self: self.linear_fc1)
+    down_proj = property(lambda self: self.linear_fc2)
+
+
 class SparseMoE(MegatronModule):
     """Qwen3-MoE's sparse block in the mlp slot: `router` and `experts.local_experts.{e}`
     (Megatron's MoE names; each expert's linear_fc1 = [gate; up]), computed by parity/moe.py,
     the very routing and dispatch the rollout model runs. Replicated: qwen3-moe runs at TP 1.
+    LoRA adapts the experts (trainer.megatron.lora), never the router.
     The layer spec names a subclass per model (`for_spec`): Megatron's TransformerLayer warns
     about a ModuleSpec of a module it does not know, and this one needs no kwargs from it."""
 
@@ -89,7 +121,7 @@ class SparseMoE(MegatronModule):
         self.router = _Router(spec.num_experts, spec.hidden_size, dt)
         self.experts = torch.nn.Module()
         self.experts.local_experts = torch.nn.ModuleList(
-            KimiExpert(spec.hidden_size, spec.moe_intermediate_size, dt) for _ in range(spec.num_experts)
+            Expert(spec.hidden_size, spec.moe_intermediate_size, dt) for _ in range(spec.num_experts)
         )
 
     def forward(self, hidden_states: torch.Tensor, **_) -> tuple[torch.Tensor, None]:
