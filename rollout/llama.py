@@ -297,7 +297,7 @@ def adapter_pairs(spec: ModelSpec, dtype: torch.dtype, tensors: dict[str, torch.
         if layer >= spec.num_layers:
             raise ValueError(f"{name}: the model has {spec.num_layers} layers")
         if (target, expert) not in _adaptable(spec, layer):
-            raise ValueError(f"{name}: {_layer_kind(spec, layer)} has no such module")
+            raise ValueError(f"{name}: {_layer_kind(spec, layer)}")
         if tensor.dtype != dtype:
             # A silent cast here could round differently from the trainer's: the caller sends
             # the tensors the trainer computes with (trainer.megatron.lora.rollout_tensors).
@@ -327,9 +327,10 @@ def _adaptable(spec: ModelSpec, layer: int) -> set[tuple[str, int | None]]:
 
 
 def _layer_kind(spec: ModelSpec, layer: int) -> str:
+    """Why an MLP module name does not fit `layer`: what its MLP's modules are."""
     if spec.is_moe_layer(layer):
-        return f"layer {layer} is sparse (its MLP targets are per expert, experts 0..{spec.num_experts - 1})"
-    return f"layer {layer} is dense"
+        return f"layer {layer} is sparse: its MLP targets are per expert (experts 0..{spec.num_experts - 1})"
+    return f"layer {layer} is dense: its MLP has no experts"
 
 
 class ParityLlamaForCausalLM(nn.Module, SyncedModel):
