@@ -1,6 +1,7 @@
-"""A peft LoRA adapter with random non-zero A and B for a Llama / Qwen3 checkpoint, to check
-parity with an adapter on (`kimi-rl parity check --adapter DIR`) without training one first
-(a fresh adapter has B = 0 and would test nothing).
+"""A peft LoRA adapter with random non-zero A and B for a Llama / Qwen3 / Qwen3-MoE checkpoint
+(on Qwen3-MoE the MLP targets get one pair per expert of each sparse layer), to check parity
+with an adapter on (`kimi-rl parity check --adapter DIR`) without training one first (a fresh
+adapter has B = 0 and would test nothing).
 
     python scripts/random_adapter.py MODEL_DIR OUT_DIR [--rank 8] [--alpha 16] [--targets q_proj,v_proj]
 """

@@ -11,6 +11,10 @@ A linear can hold several named adapters ("slots", see trainer.megatron.layers) 
 time: the policy ("policy", active by default) and e.g. a PPO critic ("critic") that shares
 the frozen base. `adapter_active` switches slots for a forward.
 
+qwen3-moe: the MLP targets attach to every expert's linear_fc1 / linear_fc2 of a sparse layer
+(trainer.megatron.model.ExpertLinear, or stock Megatron's expert linears with the hook), one
+adapter per expert, named by parity.lora.peft_key with the expert's index; the router takes none.
+
 kimi-mini (a KimiSpec; trainer/kimi.py): adapters attach to each KimiLinear with a targeted
 part (targets from parity.kimi.LORA_TARGETS) and carry peft names from parity.kimi.peft_name;
 the functions here dispatch on the spec / model, the dense paths are unchanged.
