@@ -22,9 +22,10 @@ sampler turns it into log-probs with `log_softmax(dtype=float32)`, i.e. `kernels
 
 LoRA. Each fused linear can hold an adapter (`set_adapter`, peft-named tensors in the model
 dtype); so can each qwen3-moe expert's [gate; up] and down, under the checkpoint's per-expert
-names (`mlp.experts.{e}.gate_proj` ...). Its output is then `linear(x, W) + parity.lora.fused_delta(...)`, the very ops the
-trainer's `_LoRAMixin` runs, so log-probs stay bitwise equal to the trainer with the adapter on.
-Without an adapter a linear runs only `linear(x, W)`, the base path.
+names (`mlp.experts.{e}.gate_proj` ...). Its output is then `linear(x, W) +
+parity.lora.fused_delta(...)`, the very ops the trainer's `_LoRAMixin` runs, so log-probs stay
+bitwise equal to the trainer with the adapter on. Without an adapter a linear runs only
+`linear(x, W)`, the base path.
 """
 
 from __future__ import annotations
@@ -288,6 +289,7 @@ def adapter_pairs(spec: ModelSpec, dtype: torch.dtype, tensors: dict[str, torch.
     if not math.isfinite(scaling):
         raise ValueError(f"scaling must be finite, got {scaling}")
     found: dict[tuple[int, int | None, str], dict[str, torch.Tensor]] = {}
+    adaptable: dict[int, set[tuple[str, int | None]]] = {}  # per layer, made once (many experts)
     for name, tensor in tensors.items():
         m = _PEFT_RE.match(name)
         expert = None if m is None or m[2] is None else int(m[2])
@@ -296,7 +298,9 @@ def adapter_pairs(spec: ModelSpec, dtype: torch.dtype, tensors: dict[str, torch.
         layer, target, which = int(m[1]), m[3], m[4]
         if layer >= spec.num_layers:
             raise ValueError(f"{name}: the model has {spec.num_layers} layers")
-        if (target, expert) not in _adaptable(spec, layer):
+        if layer not in adaptable:
+            adaptable[layer] = {(t, e) for fused, e in layer_linears(spec, layer) for t in FUSED_PARTS[fused]}
+        if (target, expert) not in adaptable[layer]:
             raise ValueError(f"{name}: {_layer_kind(spec, layer)}")
         if tensor.dtype != dtype:
             # A silent cast here could round differently from the trainer's: the caller sends
@@ -319,11 +323,6 @@ def adapter_pairs(spec: ModelSpec, dtype: torch.dtype, tensors: dict[str, torch.
             )
         pairs[(layer, expert, target)] = (a, b)
     return pairs
-
-
-def _adaptable(spec: ModelSpec, layer: int) -> set[tuple[str, int | None]]:
-    """(target, expert) of every module of `layer` that takes an adapter."""
-    return {(t, e) for fused, e in layer_linears(spec, layer) for t in FUSED_PARTS[fused]}
 
 
 def _layer_kind(spec: ModelSpec, layer: int) -> str:
