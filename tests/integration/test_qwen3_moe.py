@@ -172,6 +172,7 @@ def test_grpo_with_lora_on_the_experts_keeps_parity(model_factory, tmp_path):
     for r in records:
         assert r["parity/tokens"] > 0 and r["parity/bitwise_equal_fraction"] == 1.0, r
         assert r["parity/max_abs_diff"] == r["parity/kl_k1"] == 0.0
+        assert r["sync/checksum_ok"] == 1.0  # every rollout worker holds the trainer's adapter bytes
     adapter = load_file(str(run_dir / "checkpoints" / "step_000002" / "adapter" / "adapter_model.safetensors"))
     experts = [t for k, t in adapter.items() if ".mlp.experts." in k and "lora_B" in k]
     assert len(experts) == 3 * 8 * 3 and any(t.abs().max() > 0 for t in experts)
