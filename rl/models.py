@@ -533,7 +533,7 @@ def _check_dense_overrides(config: PretrainedConfig, overrides: dict[str, Any], 
             raise UserError(f"--set: {e}") from None
 
 
-def _kimi_mini_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> None:
+def kimi_mini_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> None:
     """Apply old kimi-mini `--set` keys to a kimi-linear config.json dict (KIMI_MINI_KEYS)."""
     from parity.kimi_formats import linear_attn_config
 
@@ -570,7 +570,7 @@ def _init_kimi(
         from parity.model_spec import KimiSpec
 
         if arch == "kimi-mini":
-            _kimi_mini_overrides(config, overrides)
+            kimi_mini_overrides(config, overrides)
         else:
             config.update(overrides)
         lac = config["linear_attn_config"]
