@@ -256,8 +256,15 @@ def test_kimi_gradients_reach_every_trained_weight(model_factory, megatron):
     torch.stack(sequence_logprobs(model, ids, [1, 1])).mean().backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     # The indexer only ranks keys and the routing bias only picks experts (discrete top-ks):
-    # nothing differentiable reaches them.
+    # nothing differentiable reaches them, nor an expert no token was routed to.
     no_grad = {n for n in grads if ".indexer." in n or n.endswith("e_score_correction_bias")}
+    trace = routing_trace(model, torch.tensor(ids))
+    for i in range(len(model.decoder.layers)):
+        chosen = set(torch.cat([t[f"layers.{i}.mlp.experts"].flatten() for t in trace]).tolist())
+        unused = {n for n in grads if any(f"decoder.layers.{i}.mlp.experts.local_experts.{e}." in n
+                                          for e in set(range(model.kimi_spec.n_routed_experts)) - chosen)}
+        assert all(grads[n] is None for n in unused)
+        no_grad |= unused
     for n, g in grads.items():
         if n not in no_grad:
             assert g is not None and torch.isfinite(g).all(), n
