@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity import fp8, kimi_formats
-from parity.kimi_formats import KIMI_LINEAR_ARCHITECTURE, KIMI_MINI_ARCHITECTURE  # noqa: F401 (re-exported)
+from parity.kimi_formats import KIMI_LINEAR_ARCHITECTURE, KIMI_MINI_ARCHITECTURE
 
 # The one architecture registry: the name users type (`--arch`) -> the HF architecture that
 # config.json names. Everything else (the spec class, vLLM's parity model, the trainer's GPT
