@@ -64,6 +64,11 @@ def test_converted_tensors_are_the_kimi_linear_checkpoint(dirs):
     linear = {"model.layers.3.self_attn.g_proj.weight": torch.ones(2, 2)}
     config = json.loads((twin / "config.json").read_text())
     assert dict(kimi_formats.linear_tensors(config, linear.items())) == linear
+    # So do converted tensors next to the old config.json (a full export of a model trained from
+    # an old directory keeps its config): converting is idempotent.
+    old_config = json.loads((old / "config.json").read_text())
+    again = dict(kimi_formats.linear_tensors(old_config, hf.items()))
+    assert again.keys() == hf.keys() and all(torch.equal(again[n], t) for n, t in hf.items())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
