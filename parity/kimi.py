@@ -1,26 +1,28 @@
-"""kimi-mini math, shared by both engines: the KDA mixer, the MLA mixer with its sparse indexer,
-and the MoE feed-forward. The vLLM rollout model (rollout/kimi.py) and the Megatron trainer
+"""Kimi Linear math (kimi-mini is a set of its presets), shared by both engines: the KDA mixer,
+the MLA mixer with its optional sparse indexer, and the MoE (or dense) feed-forward. The vLLM rollout model (rollout/kimi.py) and the Megatron trainer
 (trainer/megatron/kimi.py) call these very functions; each engine only supplies its parameters and the
 per-request context (the trainer: the whole sequence; vLLM: its caches and recurrent state).
 
 Modules passed in as `m` follow the HF checkpoint names (a linear is any callable submodule;
 engines add their LoRA delta inside it through `adapted_linear`):
 
-- KDA: q_proj k_proj v_proj f_a_proj f_b_proj b_proj o_proj, the output gate g_proj
-  (kimi-mini) or g_a_proj -> g_b_proj (kimi-linear), conv1d.weight [3HD, K] (kimi-linear's
-  q/k/v_conv1d stacked), dt_bias [HD], A_log (H values, any shape), o_norm.weight [D].
-- MLA: q_proj (kimi-linear with q_lora_rank: q_a_proj, q_a_layernorm.weight, q_b_proj)
-  kv_a_proj_with_mqa kv_b_proj o_proj (kimi-linear with mla_use_output_gate: g_proj too), kv_a_layernorm.weight [C], and with an indexer
-  indexer.wq indexer.wk indexer.weights_proj (kimi-mini) or DeepSeek-V3.2's indexer.wq_b
-  indexer.wk indexer.k_norm.{weight,bias} indexer.weights_proj (kimi-linear).
-- MoE: gate.weight [E, h] (router; kimi-linear: gate.e_score_correction_bias [E] too),
+- KDA: q_proj k_proj v_proj f_a_proj f_b_proj b_proj o_proj, the low-rank output gate
+  g_a_proj -> g_b_proj, conv1d.weight [3HD, K] (the checkpoint's q/k/v_conv1d stacked),
+  dt_bias [HD], A_log (H values, any shape), o_norm.weight [D].
+- MLA: q_proj (with q_lora_rank: q_a_proj, q_a_layernorm.weight, q_b_proj) kv_a_proj_with_mqa
+  kv_b_proj o_proj (with mla_use_output_gate: g_proj too), kv_a_layernorm.weight [C], and with
+  an indexer DeepSeek-V3.2's indexer.wq_b indexer.wk indexer.k_norm.{weight,bias}
+  indexer.weights_proj (index_query_source "latent"), or old kimi-mini's indexer.wq indexer.wk
+  indexer.weights_proj ("hidden", parity/kimi_formats.py).
+- MoE: gate.weight [E, h] and gate.e_score_correction_bias [E] (router),
   experts[e].gate_up_proj / down_proj, shared_experts.gate_up_proj / down_proj ([gate; up]
   fused, as Megatron holds them); a dense layer's MLP: gate_up_proj / down_proj.
 
-Both formats compute the function of their reference: kimi-linear is transformers'
-KimiLinearForCausalLM (tests/integration/test_kimi_linear.py compares logits), its optional
-indexer transformers' DeepseekV32Indexer (tests/unit/test_kimi_indexer.py), its optional MLA
-output gate Kimi K3's as vLLM's kimi_k3 model applies it.
+The model computes the function of its reference: transformers' KimiLinearForCausalLM
+(tests/integration/test_kimi_linear.py compares logits), its optional indexer transformers'
+DeepseekV32Indexer (tests/unit/test_kimi_indexer.py), its optional MLA output gate Kimi K3's as
+vLLM's kimi_k3 model applies it; an old kimi-mini directory, converted, the old model's bit for
+bit (tests/integration/test_kimi_mini_format.py).
 
 Why each piece is batch invariant and identical between decode and training:
 
@@ -169,8 +171,8 @@ def kda_mixer(
     beta = sigmoid(m.b_proj(h).float())  # [N, H]
     o, state = kda_recurrence(q, k, v, alpha, beta, state, lengths)
 
-    # Per-head RMSNorm, sigmoid output gate (kimi-linear: low rank), output projection.
-    gate = m.g_b_proj(m.g_a_proj(h)) if spec.is_linear else m.g_proj(h)
+    # Per-head RMSNorm, sigmoid low-rank output gate, output projection.
+    gate = m.g_b_proj(m.g_a_proj(h))
     o = kernels.rms_norm(o, m.o_norm.weight, spec.rms_norm_eps)
     o = o * sigmoid(gate.float()).view(n, nh, d)
     return m.o_proj(o.reshape(n, nh * d).to(h.dtype)), new_conv_state, state
@@ -212,9 +214,9 @@ def mla_entries(
         k_pe = kernels.apply_rope(k_pe.reshape(n, 1, dr), positions, table).view(n, dr)
     if not spec.has_indexer:
         return q, _cached(spec, torch.cat([latent.to(h.dtype), k_pe], dim=-1)), None, None
-    if spec.is_linear:
+    if spec.index_query_source == "latent":
         index_q, index_k, index_w = _v32_index_inputs(m.indexer, spec, h, q_latent, positions)
-    else:
+    else:  # old kimi-mini's indexer: every input a plain projection of h
         index_k = m.indexer.wk(h)
         index_q = m.indexer.wq(h).view(n, spec.index_n_heads, spec.index_head_dim).float()
         index_w = m.indexer.weights_proj(h).float()
@@ -238,7 +240,7 @@ V32_K_NORM_EPS = 1e-6  # DeepseekV32Indexer builds k_norm as nn.LayerNorm(index_
 def _v32_index_inputs(
     ix, spec: KimiSpec, h: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kimi-linear's indexer inputs, DeepSeek-V3.2's function (transformers'
+    """The indexer inputs of index_query_source "latent", DeepSeek-V3.2's function (transformers'
     DeepseekV32Indexer.forward): index queries wq_b(q latent) [N, hI, dI] and the index key
     k_norm(wk(h)) [N, dI] (LayerNorm with a bias), both with rotate-half RoPE on their first
     qk_rope_head_dim dims (the indexer rotates even where the MLA keys are NoPE); head weights
@@ -344,7 +346,7 @@ def mla_attend_full(
     m, spec: KimiSpec, q: torch.Tensor, ctx: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
     gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """MLA without an indexer (kimi-linear): each query over every key of its sequence up to
+    """MLA without an indexer: each query over every key of its sequence up to
     its position. ctx [R, L, width]: each sequence's cache entries at positions 0..L-1 (rows
     past a sequence's end are never attended); gate: mla_gate's. Returns the o_proj output
     [N, hidden].
@@ -382,7 +384,8 @@ def route(
     (e_score_correction_bias) is added for the choice only; with expert groups, only the
     topk_group groups with the best sums of their two best choice scores compete; the chosen
     experts' scores (without the bias) are renormalised (+1e-20, as the reference) and scaled
-    by routed_scaling_factor. kimi-mini (no bias, one group, factor 1) reduces to plain top-k."""
+    by routed_scaling_factor. Zero bias, one group and factor 1 reduce it to plain top-k (an
+    old kimi-mini's routing)."""
     scores = sigmoid(moe_lib.router_logits(router_weight, h))  # [N, E], fp32 router
     choice = scores if bias is None else scores + bias.float()
     groups = spec.num_expert_group
@@ -402,14 +405,13 @@ def route(
 
 
 def dense_mlp(m, h: torch.Tensor) -> torch.Tensor:
-    """A dense layer's SwiGLU MLP (kimi-linear's first_k_dense_replace layers)."""
+    """A dense layer's SwiGLU MLP (the first first_k_dense_replace layers)."""
     return moe_lib.swiglu(m, h)
 
 
 def route_module(m, spec: KimiSpec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route` with the router of MoE module m (its gate, and kimi-linear's bias)."""
-    bias = m.gate.e_score_correction_bias if spec.is_linear else None
-    return route(spec, m.gate.weight, h, bias)
+    """`route` with the router of MoE module m (its gate and e_score_correction_bias)."""
+    return route(spec, m.gate.weight, h, m.gate.e_score_correction_bias)
 
 
 def moe(m, spec: KimiSpec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,41 +422,6 @@ def moe(m, spec: KimiSpec, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 # --- checkpoint names -----------------------------------------------------------------------------
-
-
-def hf_weight_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
-    """Every weight of a kimi-mini or kimi-linear checkpoint by HF name, with its shape."""
-    if spec.is_linear:
-        return _kimi_linear_shapes(spec)
-    h = spec.hidden_size
-    out = _outer_shapes(spec)
-    nh, d = spec.kda_num_heads, spec.kda_head_dim
-    for i, kind in enumerate(spec.layer_types):
-        p = f"model.layers.{i}."
-        out.update(_layer_norm_shapes(p, h))
-        a = p + "self_attn."
-        if kind == "kda":
-            for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
-                out[a + name + ".weight"] = (nh * d, h)
-            out[a + "conv1d.weight"] = (spec.kda_conv_channels, spec.kda_conv_size)
-            out[a + "f_a_proj.weight"] = (d, h)
-            out[a + "f_b_proj.weight"] = (nh * d, d)
-            out[a + "dt_bias"] = (nh * d,)
-            out[a + "A_log"] = (nh,)
-            out[a + "b_proj.weight"] = (nh, h)
-            out[a + "o_norm.weight"] = (d,)
-            out[a + "o_proj.weight"] = (h, nh * d)
-        else:
-            out.update(_mla_shapes(spec, a))
-            out[a + "indexer.wq.weight"] = (spec.index_n_heads * spec.index_head_dim, h)
-            out[a + "indexer.wk.weight"] = (spec.index_head_dim, h)
-            out[a + "indexer.weights_proj.weight"] = (spec.index_n_heads, h)
-        out[p + "mlp.gate.weight"] = (spec.n_routed_experts, h)
-        ffns = [(f"mlp.experts.{e}.", spec.moe_intermediate_size) for e in range(spec.n_routed_experts)]
-        ffns.append(("mlp.shared_experts.", spec.shared_intermediate_size))
-        for prefix, inter in ffns:
-            out.update(_swiglu_shapes(p + prefix, h, inter))
-    return out
 
 
 def _outer_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
@@ -495,11 +462,12 @@ def _swiglu_shapes(prefix: str, h: int, inter: int, names: tuple[str, str, str] 
     return {prefix + gate + ".weight": (inter, h), prefix + up + ".weight": (inter, h), prefix + down + ".weight": (h, inter)}
 
 
-def _kimi_linear_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
-    """The published Kimi Linear tensor names (what moonshotai/Kimi-Linear-48B-A3B-* store and
-    transformers' conversion mapping for kimi_linear reads): KDA convs as three [HD, 1, K]
-    depthwise weights, A_log [1, 1, H, 1], MoE under `block_sparse_moe` with experts w1 (gate),
-    w3 (up), w2 (down), dense `mlp` for the first first_k_dense_replace layers."""
+def hf_weight_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
+    """Every weight of the checkpoint by HF name, with its shape: the published Kimi Linear
+    tensor names (what moonshotai/Kimi-Linear-48B-A3B-* store and transformers' conversion
+    mapping for kimi_linear reads): KDA convs as three [HD, 1, K] depthwise weights, A_log
+    [1, 1, H, 1], MoE under `block_sparse_moe` with experts w1 (gate), w3 (up), w2 (down), dense
+    `mlp` for the first first_k_dense_replace layers."""
     h = spec.hidden_size
     out = _outer_shapes(spec)
     nh, d = spec.kda_num_heads, spec.kda_head_dim
@@ -517,8 +485,8 @@ def _kimi_linear_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
             out[a + "f_a_proj.weight"] = (d, h)
             out[a + "f_b_proj.weight"] = (nh * d, d)
             out[a + "b_proj.weight"] = (nh, h)
-            out[a + "g_a_proj.weight"] = (d, h)
-            out[a + "g_b_proj.weight"] = (nh * d, d)
+            out[a + "g_a_proj.weight"] = (spec.gate_rank, h)
+            out[a + "g_b_proj.weight"] = (nh * d, spec.gate_rank)
             out[a + "o_norm.weight"] = (d,)
             out[a + "o_proj.weight"] = (h, nh * d)
         else:
@@ -526,11 +494,14 @@ def _kimi_linear_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
             if spec.mla_output_gate:
                 out[a + "g_proj.weight"] = (spec.num_attention_heads * spec.v_head_dim, h)
             if spec.has_indexer:  # DeepSeek-V3.2's names (transformers' DeepseekV32Indexer)
-                x = a + "indexer."
-                out[x + "wq_b.weight"] = (spec.index_n_heads * spec.index_head_dim, spec.q_lora_rank)
+                x, width = a + "indexer.", spec.index_n_heads * spec.index_head_dim
+                if spec.index_query_source == "latent":
+                    out[x + "wq_b.weight"] = (width, spec.q_lora_rank)
+                    out[x + "k_norm.weight"] = (spec.index_head_dim,)
+                    out[x + "k_norm.bias"] = (spec.index_head_dim,)
+                else:
+                    out[x + "wq.weight"] = (width, h)
                 out[x + "wk.weight"] = (spec.index_head_dim, h)
-                out[x + "k_norm.weight"] = (spec.index_head_dim,)
-                out[x + "k_norm.bias"] = (spec.index_head_dim,)
                 out[x + "weights_proj.weight"] = (spec.index_n_heads, h)
         if not spec.is_moe_layer(i):
             out.update(_swiglu_shapes(p + "mlp.", h, spec.intermediate_size))
@@ -547,8 +518,8 @@ def _kimi_linear_shapes(spec: KimiSpec) -> dict[str, tuple[int, ...]]:
 
 KIMI_LINEAR_CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
 # LoRA targets (peft `target_modules` names: the checkpoint's module names) and the fused
-# linears both engines hold. Routed experts: gate_proj / up_proj / down_proj in kimi-mini,
-# w1 / w3 / w2 in kimi-linear (its shared experts and dense MLPs keep the *_proj names).
+# linears both engines hold. Routed experts: w1 / w3 / w2 (shared experts and dense MLPs keep
+# the *_proj names).
 LORA_TARGETS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj",
     "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",

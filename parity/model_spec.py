@@ -8,19 +8,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from parity import fp8
+from parity import fp8, kimi_formats
+from parity.kimi_formats import KIMI_LINEAR_ARCHITECTURE, KIMI_MINI_ARCHITECTURE
 
 # The one architecture registry: the name users type (`--arch`) -> the HF architecture that
 # config.json names. Everything else (the spec class, vLLM's parity model, the trainer's GPT
-# build) is keyed by these.
+# build) is keyed by these. kimi-mini is a set of kimi-linear presets: it writes kimi-linear.
 ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "kimi-mini": "KimiMiniForCausalLM",
-    "kimi-linear": "KimiLinearForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM",
+    "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "kimi-mini": KIMI_LINEAR_ARCHITECTURE,
+    "kimi-linear": KIMI_LINEAR_ARCHITECTURE, "qwen3-moe": "Qwen3MoeForCausalLM",
 }
-KIMI_ARCHITECTURE = ARCHITECTURES["kimi-mini"]
-KIMI_LINEAR_ARCHITECTURE = ARCHITECTURES["kimi-linear"]
-# The hybrid architectures KimiSpec describes (HF name -> KimiSpec.hf_format).
-KIMI_FORMATS = {KIMI_ARCHITECTURE: "kimi_mini", KIMI_LINEAR_ARCHITECTURE: "kimi_linear"}
+# The HF architectures KimiSpec reads: kimi-linear, and old kimi-mini directories (converted on
+# load, parity/kimi_formats.py).
+KIMI_FORMATS = (KIMI_LINEAR_ARCHITECTURE, KIMI_MINI_ARCHITECTURE)
 # The dense architectures ModelSpec describes, HF name -> ModelSpec.arch.
 SUPPORTED_ARCHITECTURES = {hf: name for name, hf in ARCHITECTURES.items() if hf not in KIMI_FORMATS}
 # The cache formats a run can ask for (rollout.kv_cache_dtype, --kv-cache-dtype): "auto" keeps
@@ -33,11 +33,9 @@ KV_CACHE_DTYPE_KEY = "kimi_rl_kv_cache_dtype"
 
 def parity_architecture(hf_architecture: str) -> str:
     """The name vLLM registers the parity implementation of an HF architecture under."""
-    if hf_architecture not in ARCHITECTURES.values():
-        raise ValueError(
-            f"no parity model for architecture {hf_architecture!r} "
-            f"(supported: {sorted(ARCHITECTURES.values())})"
-        )
+    known = {*ARCHITECTURES.values(), *KIMI_FORMATS}
+    if hf_architecture not in known:
+        raise ValueError(f"no parity model for architecture {hf_architecture!r} (supported: {sorted(known)})")
     return f"KimiRLParity{hf_architecture}"
 
 
@@ -141,24 +139,24 @@ def _qwen3_moe_fields(config: dict) -> dict:
 LAYER_TYPES = ("kda", "mla")
 
 
+INDEX_QUERY_SOURCES = ("latent", "hidden")
+
+
 @dataclass(frozen=True)
 class KimiSpec:
-    """A hybrid of KDA (gated delta-rule linear attention) and MLA layers, MoE feed-forwards
-    (routed + shared experts). Two checkpoint formats:
+    """Kimi Linear (`KimiLinearForCausalLM`, transformers' KimiLinearConfig keys): a hybrid of
+    KDA (gated delta-rule linear attention, a low-rank output gate g_a_proj -> g_b_proj) and MLA
+    layers, MoE feed-forwards (routed + shared experts) with DeepSeek-V3 routing
+    (e_score_correction_bias for selection only, grouped top-k, routed_scaling_factor), the
+    first `first_k_dense_replace` layers dense. MLA attends without RoPE with `mla_use_nope`,
+    over every earlier key (index_topk 0) or, with DeepSeek-V3.2's `index_n_heads` /
+    `index_head_dim` / `index_topk`, over that model's indexer's top-k (DeepseekV32Indexer: wq_b
+    on the query latent, so q_lora_rank is required; wk + LayerNorm k_norm; weights_proj; RoPE
+    on the first qk_rope_head_dim index dims).
 
-    - kimi-mini (our own, config keys below): MLA keys pre-selected by a sparse indexer, RoPE
-      on the shared key, a full-rank KDA output gate, every layer MoE, plain sigmoid top-k.
-    - kimi-linear (published Kimi Linear, `KimiLinearForCausalLM`): MLA without RoPE
-      (`mla_use_nope`) over every earlier key (no indexer: index_topk 0), a low-rank KDA output
-      gate (g_a_proj / g_b_proj), the first `first_k_dense_replace` layers dense, and DeepSeek-V3
-      routing (e_score_correction_bias for selection only, grouped top-k, routed_scaling_factor).
-      With DeepSeek-V3.2's `index_n_heads` / `index_head_dim` / `index_topk` it gets that
-      model's indexer (DeepseekV32Indexer: wq_b on the query latent, so q_lora_rank is
-      required; wk + LayerNorm k_norm; weights_proj; RoPE on the first qk_rope_head_dim index
-      dims), which pre-selects the MLA keys as kimi-mini's does.
-
-    The defaults of the later fields are kimi-mini's behaviour, so old kimi-mini configs load
-    unchanged."""
+    kimi-mini is a set of its presets (rl/models.py). Old kimi-mini directories are read through
+    parity/kimi_formats.py, which sets the two options only it produces: `kda_gate_rank` (its
+    full-rank gate as g_a_proj with an identity g_b_proj) and `index_query_source` "hidden"."""
 
     vocab_size: int
     hidden_size: int
@@ -186,18 +184,22 @@ class KimiSpec:
     num_experts_per_tok: int
     moe_intermediate_size: int
     n_shared_experts: int
-    hf_format: str = "kimi_mini"  # "kimi_mini" | "kimi_linear": the checkpoint's tensor names
     mla_use_nope: bool = False  # True: no RoPE anywhere in MLA (the rope dims attend as they are)
-    kv_norm_eps: float = 0.0  # kv_a_layernorm's eps (0: rms_norm_eps)
+    kv_norm_eps: float = 0.0  # kv_a_layernorm's (and q_a_layernorm's) eps (0: rms_norm_eps)
     first_k_dense_replace: int = 0  # the first k layers have a dense SwiGLU MLP, not a MoE
     intermediate_size: int = 0  # the dense MLP's width
     routed_scaling_factor: float = 1.0
     moe_renormalize: bool = True
     num_expert_group: int = 1  # grouped top-k: keep the topk_group best groups (top-2 sums)
     topk_group: int = 1
-    # kimi-linear: a low-rank query (q_a_proj -> q_a_layernorm -> q_b_proj) instead of q_proj;
-    # 0: none. The indexer's wq_b reads its latent, as DeepSeek-V3.2's does.
+    # A low-rank query (q_a_proj -> q_a_layernorm -> q_b_proj) instead of q_proj; 0: none.
     q_lora_rank: int = 0
+    # The KDA output gate's rank: g_a_proj [rank, hidden], g_b_proj [H * D, rank] (0: the
+    # published kda_head_dim; an old kimi-mini's full-rank g_proj converts to H * D).
+    kda_gate_rank: int = 0
+    # What the indexer's queries read: "latent" DeepSeek-V3.2's wq_b on the query latent (RoPE,
+    # LayerNorm'd key), or "hidden" old kimi-mini's wq on the hidden state (no RoPE, no norm).
+    index_query_source: str = "latent"
     # kimi-linear's mla_use_output_gate (Kimi K3): o_proj(attn * sigmoid(g_proj(h))), g_proj
     # [Hm * v_head_dim, hidden] on the MLA layer's input.
     mla_output_gate: bool = False
@@ -205,12 +207,10 @@ class KimiSpec:
     # with a per-token scale per entry part, parity/fp8.py), set from KV_CACHE_DTYPE_KEY.
     kv_cache_dtype: str = "auto"
 
-    arch = "kimi_mini"
-
     @property
-    def is_linear(self) -> bool:
-        """Published Kimi Linear names (and its e_score_correction_bias / low-rank output gate)."""
-        return self.hf_format == "kimi_linear"
+    def gate_rank(self) -> int:
+        """The KDA output gate's rank (g_a_proj's rows)."""
+        return self.kda_gate_rank or self.kda_head_dim
 
     @property
     def has_indexer(self) -> bool:
@@ -261,20 +261,20 @@ class KimiSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> KimiSpec:
+        """The spec of a kimi-linear config.json dict, or of an old kimi-mini one (converted:
+        parity/kimi_formats.py)."""
         arch_name = (config.get("architectures") or [""])[0]
-        if arch_name == KIMI_LINEAR_ARCHITECTURE:
-            return cls._from_kimi_linear(config)
-        if arch_name != KIMI_ARCHITECTURE:
-            raise ValueError(f"not a kimi-mini config: architecture {arch_name!r}")
-        layer_types = tuple(config["layer_types"])
-        bad = [t for t in layer_types if t not in LAYER_TYPES]
-        if bad or len(layer_types) != config["num_hidden_layers"]:
-            raise ValueError(
-                f"layer_types must list {config['num_hidden_layers']} of {LAYER_TYPES}, got {layer_types}"
-            )
-        fields = {f: config[f] for f in cls.__dataclass_fields__ if f not in ("layer_types",) and f not in _LATER}
-        return cls(layer_types=layer_types, kv_cache_dtype=config.get(KV_CACHE_DTYPE_KEY, "auto"),
-                   **fields).validated()
+        if arch_name not in KIMI_FORMATS:
+            raise ValueError(f"not a Kimi config: architecture {arch_name!r}")
+        if kimi_formats.is_kimi_mini(config):
+            return cls._from_kimi_linear(kimi_formats.linear_config(config))
+        spec = cls._from_kimi_linear(config)
+        if (spec.hidden_size // spec.num_attention_heads) % 2:
+            # KimiLinearConfig has no head_dim: transformers' RoPE check (run by vLLM's config
+            # loader) takes hidden_size // num_attention_heads as the rotary width.
+            raise ValueError(f"hidden_size // num_attention_heads must be even (transformers reads it as the "
+                             f"rotary head_dim), got {spec.hidden_size} // {spec.num_attention_heads}")
+        return spec
 
     @classmethod
     def _from_kimi_linear(cls, config: dict) -> KimiSpec:
@@ -306,10 +306,14 @@ class KimiSpec:
             if index_topk and value < 1:
                 raise ValueError(f"{key} must be >= 1 when index_topk is set")
         q_lora_rank = config.get("q_lora_rank") or 0
-        if index_topk and not q_lora_rank:
+        source = config.get("index_query_source", "latent")
+        if source not in INDEX_QUERY_SOURCES:
+            raise ValueError(f"index_query_source must be one of {', '.join(INDEX_QUERY_SOURCES)}, got {source!r}")
+        latent = index_topk and source == "latent"
+        if latent and not q_lora_rank:
             # DeepSeek-V3.2's indexer projects its queries from the query latent (wq_b)
             raise ValueError("q_lora_rank must be set when index_topk is (the indexer's wq_b reads the query latent)")
-        if index_topk and index["index_head_dim"] < config["qk_rope_head_dim"]:
+        if latent and index["index_head_dim"] < config["qk_rope_head_dim"]:
             raise ValueError("index_head_dim must be >= qk_rope_head_dim (RoPE rotates the first qk_rope_head_dim)")
         spec = cls(
             vocab_size=config["vocab_size"],
@@ -329,15 +333,17 @@ class KimiSpec:
             v_head_dim=config["v_head_dim"],
             index_n_heads=index["index_n_heads"], index_head_dim=index["index_head_dim"], index_topk=index_topk,
             q_lora_rank=q_lora_rank,
+            kda_gate_rank=config.get("kda_gate_rank") or 0,
+            index_query_source=source,
             mla_output_gate=bool(config.get("mla_use_output_gate", False)),
             n_routed_experts=config["num_experts"],
             num_experts_per_tok=config["num_experts_per_token"],
             moe_intermediate_size=config["moe_intermediate_size"],
             n_shared_experts=config.get("num_shared_experts", 0),
-            hf_format="kimi_linear",
             mla_use_nope=bool(config.get("mla_use_nope", False)),
             # transformers' KimiLinearAttention builds kv_a_layernorm with RMSNorm's default eps
-            kv_norm_eps=KV_A_LAYERNORM_EPS,
+            # (an old kimi-mini's used rms_norm_eps: its conversion says so)
+            kv_norm_eps=config.get("kv_layernorm_eps", KV_A_LAYERNORM_EPS),
             first_k_dense_replace=config.get("first_k_dense_replace", 0),
             intermediate_size=config.get("intermediate_size", 0),
             routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
@@ -362,17 +368,12 @@ class KimiSpec:
             raise ValueError(f"{KV_CACHE_DTYPE_KEY} must be one of {', '.join(KV_CACHE_DTYPES)}")
         if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError("num_experts_per_tok must be in 1..n_routed_experts")
-        if self.index_topk < (1 if self.hf_format == "kimi_mini" else 0):
-            raise ValueError("index_topk must be >= 1")
+        if self.index_topk < 0:
+            raise ValueError("index_topk must be >= 0")
         if self.qk_rope_head_dim % 2 or self.v_head_dim > self.qk_head_dim:
             raise ValueError("qk_rope_head_dim must be even and v_head_dim <= qk head dim")
         if self.mla_cache_width % 2:  # the rollout splits an entry over a slot's key/value halves
             raise ValueError("kv_lora_rank + qk_rope_head_dim + index_head_dim must be even")
-        if self.hf_format == "kimi_linear" and (self.hidden_size // self.num_attention_heads) % 2:
-            # KimiLinearConfig has no head_dim: transformers' RoPE check (run by vLLM's config
-            # loader) takes hidden_size // num_attention_heads as the rotary width.
-            raise ValueError(f"hidden_size // num_attention_heads must be even (transformers reads it as the "
-                             f"rotary head_dim), got {self.hidden_size} // {self.num_attention_heads}")
         return self
 
     @classmethod
@@ -380,12 +381,6 @@ class KimiSpec:
         return cls.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
-# The fields kimi-mini's config.json does not carry (their defaults are kimi-mini's behaviour).
-_LATER = (
-    "hf_format", "mla_use_nope", "kv_norm_eps", "first_k_dense_replace", "intermediate_size",
-    "routed_scaling_factor", "moe_renormalize", "num_expert_group", "topk_group", "kv_cache_dtype",
-    "q_lora_rank", "mla_output_gate",
-)
 KV_A_LAYERNORM_EPS = 1e-6
 
 
@@ -408,7 +403,8 @@ def hf_architecture(model_dir: str | Path) -> str:
 
 
 def load_spec(model_dir: str | Path) -> ModelSpec | KimiSpec:
-    """The spec of a model directory, dense (Llama / Qwen3) or a KDA/MLA hybrid (kimi-mini, kimi-linear)."""
+    """The spec of a model directory, dense (Llama / Qwen3 / Qwen3-MoE) or a KDA/MLA hybrid
+    (kimi-linear; an old kimi-mini directory converted)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     if (config.get("architectures") or [""])[0] in KIMI_FORMATS:
         return KimiSpec.from_hf_config(config)

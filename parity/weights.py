@@ -95,65 +95,17 @@ def _qwen3_moe_block(hp: str, mp: str, num_experts: int) -> list[Weight]:
     return out
 
 
-# kimi-mini (trainer/megatron/kimi.py module names). The rollout model holds HF names, except that every
-# expert keeps [gate; up] fused as `gate_up_proj` (what Megatron's linear_fc1 holds). No TP.
-_KIMI_COMMON = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-    "mlp.gate.weight": "mlp.router.weight",
-}
-_KIMI_MIXER = {
-    "kda": {
-        **{f"self_attn.{n}.weight": f"self_attention.linear_{n}.weight"
-           for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj")},
-        "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-        "self_attn.conv1d.weight": "self_attention.conv1d.weight",
-        "self_attn.dt_bias": "self_attention.dt_bias",
-        "self_attn.A_log": "self_attention.A_log",
-        "self_attn.o_norm.weight": "self_attention.o_norm.weight",
-    },
-    "mla": {
-        "self_attn.q_proj.weight": "self_attention.linear_q_proj.weight",
-        "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
-        "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
-        "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
-        "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-        "self_attn.indexer.wq.weight": "self_attention.indexer.linear_wq.weight",
-        "self_attn.indexer.wk.weight": "self_attention.indexer.linear_wk.weight",
-        "self_attn.indexer.weights_proj.weight": "self_attention.indexer.linear_weights_proj.weight",
-    },
-}
-
-
 def _same(hf: str, mg: str) -> Weight:
     """A weight both sides hold as one tensor, under its HF and its Megatron name."""
     return Weight(mg, hf, (hf,))
 
 
-def _kimi(spec: KimiSpec) -> list[Weight]:
-    out = [_same("model.embed_tokens.weight", "embedding.word_embeddings.weight")]
-    for i, kind in enumerate(spec.layer_types):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out += [_same(h + hf, m + mg) for hf, mg in {**_KIMI_COMMON, **_KIMI_MIXER[kind]}.items()]
-        ffns = [(f"{h}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}.") for e in range(spec.n_routed_experts)]
-        ffns.append((f"{h}mlp.shared_experts.", f"{m}mlp.shared_experts."))
-        for hp, mp in ffns:
-            out += [
-                Weight(mp + "linear_fc1.weight", hp + "gate_up_proj.weight",
-                       (hp + "gate_proj.weight", hp + "up_proj.weight"), "gate_up"),
-                Weight(mp + "linear_fc2.weight", hp + "down_proj.weight", (hp + "down_proj.weight",)),
-            ]
-    out.append(_same("model.norm.weight", "decoder.final_layernorm.weight"))
-    if not spec.tie_word_embeddings:
-        out.append(_same("lm_head.weight", "output_layer.weight"))
-    return out
-
-
-# kimi-linear (published Kimi Linear names): the KDA gate is low rank, the three depthwise convs
-# are held stacked as one conv1d [3HD, K] ("conv" pack), the MoE lives under block_sparse_moe
-# (router + e_score_correction_bias; experts w1/w3 fused as gate_up_proj, w2 held as down_proj)
-# and the first first_k_dense_replace layers have a dense mlp. The rollout model holds these
-# names with the fused ones renamed; Megatron as for kimi-mini.
+# Kimi Linear (published names; trainer/megatron/kimi.py's module names on the Megatron side):
+# the KDA gate is low rank, the three depthwise convs are held stacked as one conv1d [3HD, K]
+# ("conv" pack), the MoE lives under block_sparse_moe (router + e_score_correction_bias;
+# experts w1/w3 fused as gate_up_proj, w2 held as down_proj) and the first
+# first_k_dense_replace layers have a dense mlp. The rollout model holds these names with the
+# fused ones renamed, as Megatron holds them. No TP.
 _KIMI_LINEAR_KDA = {
     **{f"self_attn.{n}.weight": f"self_attention.linear_{n}.weight"
        for n in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj")},
@@ -173,12 +125,17 @@ def _swiglu(hp: str, mp: str, gate: str = "gate_proj", up: str = "up_proj", down
 
 
 def _kimi_linear_mla(spec: KimiSpec) -> dict[str, str]:
-    """kimi-linear's MLA names (HF -> Megatron): kimi-mini's without its indexer, the low-rank
-    query with q_lora_rank, the output gate with mla_use_output_gate, DeepSeek-V3.2's indexer
-    with index_topk."""
-    out = {hf: mg for hf, mg in _KIMI_MIXER["mla"].items() if ".indexer." not in hf}
-    if spec.q_lora_rank:
-        del out["self_attn.q_proj.weight"]
+    """The MLA names (HF -> Megatron): the query full rank or, with q_lora_rank, low rank; the
+    output gate with mla_use_output_gate; with index_topk the indexer of index_query_source."""
+    out = {
+        "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
+        "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
+        "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
+        "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    }
+    if not spec.q_lora_rank:
+        out["self_attn.q_proj.weight"] = "self_attention.linear_q_proj.weight"
+    else:
         out.update({
             "self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
             "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
@@ -186,12 +143,17 @@ def _kimi_linear_mla(spec: KimiSpec) -> dict[str, str]:
         })
     if spec.mla_output_gate:
         out["self_attn.g_proj.weight"] = "self_attention.linear_g_proj.weight"
-    if spec.has_indexer:
+    if spec.has_indexer and spec.index_query_source == "latent":
         out.update({
             "self_attn.indexer.wq_b.weight": "self_attention.indexer.linear_wq_b.weight",
-            "self_attn.indexer.wk.weight": "self_attention.indexer.linear_wk.weight",
             "self_attn.indexer.k_norm.weight": "self_attention.indexer.k_norm.weight",
             "self_attn.indexer.k_norm.bias": "self_attention.indexer.k_norm.bias",
+        })
+    elif spec.has_indexer:
+        out["self_attn.indexer.wq.weight"] = "self_attention.indexer.linear_wq.weight"
+    if spec.has_indexer:
+        out.update({
+            "self_attn.indexer.wk.weight": "self_attention.indexer.linear_wk.weight",
             "self_attn.indexer.weights_proj.weight": "self_attention.indexer.linear_weights_proj.weight",
         })
     return out
@@ -228,7 +190,7 @@ def _kimi_linear(spec: KimiSpec) -> list[Weight]:
 def weight_map(spec: ModelSpec | KimiSpec) -> list[Weight]:
     """Every tensor of the model, in checkpoint order."""
     if isinstance(spec, KimiSpec):
-        return _kimi_linear(spec) if spec.is_linear else _kimi(spec)
+        return _kimi_linear(spec)
     return _dense(spec)
 
 

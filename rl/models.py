@@ -8,6 +8,7 @@ exists is always a complete model."""
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import math
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parity.dtypes import DTYPES, dtype_string, torch_dtype
-from parity.model_spec import ARCHITECTURES
+from parity.model_spec import ARCHITECTURES, KIMI_FORMATS
 from rl.errors import UserError
 
 if TYPE_CHECKING:  # transformers takes seconds to import; only the functions that need it do
@@ -65,60 +66,83 @@ QWEN3_MOE_PRESETS: dict[str, dict[str, Any]] = {
 QWEN3_MOE_SETTABLE = ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob",
                       "decoder_sparse_step", "mlp_only_layers")
 
-# kimi-mini (parity.model_spec.KimiSpec): 3 KDA : 1 MLA, every layer MoE with a shared expert.
-# index_topk is small on purpose, so that the indexer really selects at test lengths.
-KIMI_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=128, layer_types=["kda", "kda", "kda", "mla"],
-        kda_num_heads=4, kda_head_dim=32, kda_conv_size=4,
-        num_attention_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=16,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
-        max_position_embeddings=2048, initializer_range=0.1,
-    ),
-    "small": dict(
-        hidden_size=256, layer_types=["kda", "kda", "kda", "mla"] * 2,
-        kda_num_heads=8, kda_head_dim=32, kda_conv_size=4,
-        num_attention_heads=8, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=32,
-        n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, n_shared_experts=1,
-        max_position_embeddings=4096, initializer_range=0.05,
-    ),
-}
-# kimi-linear: the published Kimi Linear format (KimiLinearForCausalLM) at test sizes, same
-# shapes as kimi-mini where both have them; the first layer dense, two expert groups so the
-# grouped top-k really drops experts, and Kimi-Linear-48B's routed_scaling_factor.
-KIMI_LINEAR_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=128, num_hidden_layers=4, intermediate_size=256,
-        linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=4, head_dim=32,
-                                short_conv_kernel_size=4),
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, num_experts=8, num_experts_per_token=2,
-        moe_intermediate_size=128, num_shared_experts=1, num_expert_group=2, topk_group=1,
-        model_max_length=2048, initializer_range=0.1,
-    ),
-    "small": dict(
-        hidden_size=256, num_hidden_layers=8, intermediate_size=512,
-        linear_attn_config=dict(kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8], num_heads=8,
-                                head_dim=32, short_conv_kernel_size=4),
-        num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, num_experts=16, num_experts_per_token=4,
-        moe_intermediate_size=128, num_shared_experts=1, num_expert_group=4, topk_group=2,
-        model_max_length=4096, initializer_range=0.05,
-    ),
-}
-KIMI_LINEAR_FIXED: dict[str, Any] = dict(
-    q_lora_rank=None, mla_use_nope=True, first_k_dense_replace=1, moe_layer_freq=1,
-    routed_scaling_factor=2.446, moe_renormalize=True, use_grouped_topk=True,
-    moe_router_activation_func="sigmoid", hidden_act="silu", num_nextn_predict_layers=0,
-    tie_word_embeddings=False, use_cache=True,
+# The Kimi presets (parity.model_spec.KimiSpec): config.json keys of the published Kimi Linear
+# format (KimiLinearForCausalLM), at test sizes, by --arch and preset. Both families write that
+# format; kimi-mini is its shape of choice here:
+# - kimi-linear: the first layer dense, MLA without RoPE over every earlier key, two expert
+#   groups so the grouped top-k really drops experts, Kimi-Linear-48B's routed_scaling_factor.
+# - kimi-mini: 3 KDA : 1 MLA, every layer MoE with a shared expert and plain sigmoid top-k, MLA
+#   with RoPE and DeepSeek-V3.2's sparse indexer (on a query latent, q_lora_rank); index_topk
+#   is small on purpose, so that the indexer really selects at test lengths.
+_KIMI_COMMON: dict[str, Any] = dict(
+    moe_layer_freq=1, moe_renormalize=True, moe_router_activation_func="sigmoid", hidden_act="silu",
+    num_nextn_predict_layers=0, use_cache=True,
 )
+_KIMI_FAMILY: dict[str, dict[str, Any]] = {
+    "kimi-linear": dict(q_lora_rank=None, mla_use_nope=True, first_k_dense_replace=1, routed_scaling_factor=2.446,
+                        use_grouped_topk=True, tie_word_embeddings=False),
+    "kimi-mini": dict(mla_use_nope=False, first_k_dense_replace=0, routed_scaling_factor=1.0, use_grouped_topk=False,
+                      num_expert_group=1, topk_group=1, tie_word_embeddings=True),
+}
+
+
+def _lac(kda: list[int], full: list[int], heads: int) -> dict[str, Any]:
+    return dict(kda_layers=kda, full_attn_layers=full, num_heads=heads, head_dim=32, short_conv_kernel_size=4)
+
+
+KIMI_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "kimi-linear": {
+        "tiny": dict(
+            hidden_size=128, num_hidden_layers=4, intermediate_size=256, linear_attn_config=_lac([1, 2, 3], [4], 4),
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
+            qk_rope_head_dim=16, v_head_dim=32, num_experts=8, num_experts_per_token=2,
+            moe_intermediate_size=128, num_shared_experts=1, num_expert_group=2, topk_group=1,
+            model_max_length=2048, initializer_range=0.1,
+        ),
+        "small": dict(
+            hidden_size=256, num_hidden_layers=8, intermediate_size=512,
+            linear_attn_config=_lac([1, 2, 3, 5, 6, 7], [4, 8], 8),
+            num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128, qk_nope_head_dim=32,
+            qk_rope_head_dim=16, v_head_dim=32, num_experts=16, num_experts_per_token=4,
+            moe_intermediate_size=128, num_shared_experts=1, num_expert_group=4, topk_group=2,
+            model_max_length=4096, initializer_range=0.05,
+        ),
+    },
+    "kimi-mini": {
+        "tiny": dict(
+            hidden_size=128, num_hidden_layers=4, linear_attn_config=_lac([1, 2, 3], [4], 4),
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+            qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=16,
+            num_experts=8, num_experts_per_token=2, moe_intermediate_size=128, num_shared_experts=1,
+            model_max_length=2048, initializer_range=0.1,
+        ),
+        "small": dict(
+            hidden_size=256, num_hidden_layers=8, linear_attn_config=_lac([1, 2, 3, 5, 6, 7], [4, 8], 8),
+            num_attention_heads=8, num_key_value_heads=8, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32,
+            qk_rope_head_dim=16, v_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=32,
+            num_experts=16, num_experts_per_token=4, moe_intermediate_size=128, num_shared_experts=1,
+            model_max_length=4096, initializer_range=0.05,
+        ),
+    },
+}
 # DeepSeek-V3.2's sparse-indexer fields, which a kimi-linear config may add (`--set`; the indexer
 # also needs q_lora_rank), e.g. --set q_lora_rank=64 --set index_n_heads=4 --set index_head_dim=32
 # --set index_topk=16 on tiny.
 KIMI_LINEAR_INDEXER_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
 # Kimi K3's MLA output gate (--set mla_use_output_gate=true) is settable too.
+# `--arch kimi-mini --set` takes the old kimi-mini config.json's keys (users' scripts keep
+# working): each -> its kimi-linear key ("linear_attn_config.X": a key of linear_attn_config;
+# layer_types becomes its kda_layers / full_attn_layers). q_lora_rank (its indexer's query
+# latent) is new.
+KIMI_MINI_KEYS: dict[str, str] = {
+    **{k: k for k in ("hidden_size", "rms_norm_eps", "rope_theta", "num_attention_heads", "kv_lora_rank",
+                      "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
+                      "index_topk", "moe_intermediate_size", "q_lora_rank")},
+    "layer_types": "linear_attn_config", "kda_num_heads": "linear_attn_config.num_heads",
+    "kda_head_dim": "linear_attn_config.head_dim", "kda_conv_size": "linear_attn_config.short_conv_kernel_size",
+    "n_routed_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
+    "n_shared_experts": "num_shared_experts", "max_position_embeddings": "model_max_length",
+}
 ROPE_THETA = 10000.0
 RMS_NORM_EPS = 1e-6
 VOCAB_MULTIPLE = 64  # embedding rows padded so the vocab splits evenly under tensor parallelism
@@ -396,32 +420,21 @@ def model_config(arch: str, preset: str, vocab_size: int) -> PretrainedConfig:
     return Qwen3Config(**common, tie_word_embeddings=False)
 
 
-def kimi_config(preset: str, vocab_size: int) -> dict[str, Any]:
-    """config.json of a kimi-mini `preset` (no transformers class: vLLM's plugin registers one)."""
-    _check_choice("preset", preset, KIMI_PRESETS)
-    eos = SPECIAL_TOKENS.index(EOS)
-    shape = KIMI_PRESETS[preset]
-    return dict(
-        shape, architectures=[ARCHITECTURES["kimi-mini"]], model_type="kimi_mini",
-        vocab_size=vocab_size, num_hidden_layers=len(shape["layer_types"]), rope_theta=ROPE_THETA,
-        rms_norm_eps=RMS_NORM_EPS, tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos,
-        pad_token_id=eos,
-    )
-
-
-def kimi_linear_config(preset: str, vocab_size: int) -> dict[str, Any]:
-    """config.json of a kimi-linear `preset`, with the keys published Kimi Linear checkpoints use."""
-    _check_choice("preset", preset, KIMI_LINEAR_PRESETS)
+def kimi_config(arch: str, preset: str, vocab_size: int) -> dict[str, Any]:
+    """config.json of a kimi-linear or kimi-mini `preset`: the keys published Kimi Linear
+    checkpoints use."""
+    _check_choice("arch", arch, KIMI_PRESETS)
+    _check_choice("preset", preset, KIMI_PRESETS[arch])
     eos = SPECIAL_TOKENS.index(EOS)
     return dict(
-        KIMI_LINEAR_PRESETS[preset], **KIMI_LINEAR_FIXED, architectures=[ARCHITECTURES["kimi-linear"]],
-        model_type="kimi_linear", vocab_size=vocab_size, rope_theta=ROPE_THETA, rms_norm_eps=RMS_NORM_EPS,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        copy.deepcopy(KIMI_PRESETS[arch][preset]), **_KIMI_COMMON, **_KIMI_FAMILY[arch],
+        architectures=[ARCHITECTURES[arch]], model_type="kimi_linear", vocab_size=vocab_size,
+        rope_theta=ROPE_THETA, rms_norm_eps=RMS_NORM_EPS, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
     )
 
 
 def kimi_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
-    """Random-init kimi-mini / kimi-linear weights (fp32) by HF name, drawn from `seed` alone."""
+    """Random-init Kimi weights (fp32) by HF name, drawn from `seed` alone."""
     import torch
 
     from parity.kimi import hf_weight_shapes
@@ -462,13 +475,11 @@ DERIVED = {
 
 
 def settable_keys(arch: str) -> tuple[str, ...]:
-    from parity.model_spec import _LATER, KimiSpec
-
     if arch == "kimi-mini":
-        return tuple(sorted(set(KimiSpec.__dataclass_fields__) - {"vocab_size", "tie_word_embeddings", *_LATER}))
+        return tuple(sorted(KIMI_MINI_KEYS))
     if arch == "kimi-linear":
-        keys = (set(KIMI_LINEAR_PRESETS["tiny"]) | set(KIMI_LINEAR_FIXED) | set(KIMI_LINEAR_INDEXER_KEYS)
-                | {"mla_use_output_gate"})
+        keys = (set(KIMI_PRESETS[arch]["tiny"]) | set(_KIMI_COMMON) | set(_KIMI_FAMILY[arch])
+                | set(KIMI_LINEAR_INDEXER_KEYS) | {"mla_use_output_gate"})
         return tuple(sorted(keys - {"num_hidden_layers"}))
     if arch == "qwen3-moe":
         return DENSE_SETTABLE + QWEN3_MOE_SETTABLE
@@ -522,28 +533,48 @@ def _check_dense_overrides(config: PretrainedConfig, overrides: dict[str, Any], 
             raise UserError(f"--set: {e}") from None
 
 
+def kimi_mini_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Apply old kimi-mini `--set` keys to a kimi-linear config.json dict (KIMI_MINI_KEYS)."""
+    from parity.kimi_formats import linear_attn_config
+
+    lac = config["linear_attn_config"]
+    for key, value in overrides.items():
+        target = KIMI_MINI_KEYS[key]
+        if key == "layer_types":
+            if not isinstance(value, list):
+                raise UserError(f"--set layer_types: expected a list of \"kda\" / \"mla\", got {value!r}")
+            try:
+                lac.update(linear_attn_config(value, lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"]))
+            except ValueError as e:
+                raise UserError(f"--set: {e}") from None
+        elif target.startswith("linear_attn_config."):
+            lac[target.split(".", 1)[1]] = value
+        else:
+            config[target] = value
+            if key == "num_attention_heads":  # MLA expands every head
+                config["num_key_value_heads"] = value
+
+
 def _init_kimi(
     arch: str, preset: str, seed: int, out: Path, dtype: str, force: bool, overrides: dict[str, Any] | None = None
 ) -> Path:
     from safetensors.torch import save_file
 
-    linear = arch == "kimi-linear"
-    _check_choice("preset", preset, KIMI_LINEAR_PRESETS if linear else KIMI_PRESETS)
+    _check_choice("preset", preset, KIMI_PRESETS[arch])
     torch_dtype = _torch_dtype(dtype)
     _check_out_dir(out, force)
-    max_len = KIMI_LINEAR_PRESETS[preset]["model_max_length"] if linear else KIMI_PRESETS[preset]["max_position_embeddings"]
-    tokenizer = build_tokenizer(TOKENIZER_VOCAB[preset], max_len)
+    tokenizer = build_tokenizer(TOKENIZER_VOCAB[preset], KIMI_PRESETS[arch][preset]["model_max_length"])
     vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    config = (kimi_linear_config if linear else kimi_config)(preset, vocab_size)
+    config = kimi_config(arch, preset, vocab_size)
     if overrides:
         from parity.model_spec import KimiSpec
 
-        config.update(overrides)
-        if linear:
-            lac = config["linear_attn_config"]
-            config["num_hidden_layers"] = len(lac.get("kda_layers", [])) + len(lac.get("full_attn_layers", []))
+        if arch == "kimi-mini":
+            kimi_mini_overrides(config, overrides)
         else:
-            config["num_hidden_layers"] = len(config["layer_types"])
+            config.update(overrides)
+        lac = config["linear_attn_config"]
+        config["num_hidden_layers"] = len(lac.get("kda_layers", [])) + len(lac.get("full_attn_layers", []))
         try:
             KimiSpec.from_hf_config(config)
         except (ValueError, TypeError, KeyError) as e:
@@ -723,7 +754,7 @@ def validate_model_dir(path: str | Path) -> dict[str, Any]:
     architectures = config.get("architectures")
     if not architectures or not isinstance(architectures, list):
         raise UserError(f"{config_path}: no 'architectures' entry")
-    supported = sorted(ARCHITECTURES.values())
+    supported = sorted({*ARCHITECTURES.values(), *KIMI_FORMATS})  # old kimi-mini directories load too
     if architectures[0] not in supported:
         raise UserError(
             f"{config_path}: architecture {architectures[0]!r} is not supported"
@@ -772,8 +803,9 @@ def add_model_commands(subparsers: Any) -> None:
     init.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="a config.json field (JSON value) of the preset to change, e.g. --set head_dim=48"
-        " --set vocab_size=515, or for kimi-mini --set 'layer_types=[\"kda\",\"mla\"]'"
-        " --set n_routed_experts=16, for kimi-linear --set num_experts=16 (its sparse indexer:"
+        " --set vocab_size=515, or for kimi-mini (which writes kimi-linear) its old keys, e.g."
+        " --set 'layer_types=[\"kda\",\"mla\"]' --set n_routed_experts=16, for kimi-linear"
+        " --set num_experts=16 (its sparse indexer:"
         " --set q_lora_rank=64 --set index_n_heads=4 --set index_head_dim=32 --set index_topk=16)",
     )
     init.add_argument("out", metavar="OUT", help="directory to create")

@@ -122,11 +122,11 @@ class ParityWorkerExtension:
     VLLM_ALLOW_INSECURE_SERIALIZATION=1 (pickle on its whole IPC channel)."""
 
     def _kimi_rl_parity_model(self):
-        from rollout.kimi import ParityKimiMiniForCausalLM
+        from rollout.kimi import ParityKimiLinearForCausalLM
         from rollout.llama import ParityLlamaForCausalLM
 
         model = self.model_runner.get_model()
-        if not isinstance(model, ParityLlamaForCausalLM | ParityKimiMiniForCausalLM):
+        if not isinstance(model, ParityLlamaForCausalLM | ParityKimiLinearForCausalLM):
             raise ValueError(f"needs a parity model, this engine runs {type(model).__name__}")
         return model
 
@@ -313,15 +313,16 @@ class RolloutEngine:
                 kwargs["hf_overrides"][KV_CACHE_DTYPE_KEY] = kv_cache_dtype
             if isinstance(self.spec, KimiSpec):
                 # vLLM sizes a hybrid's cache pages from its config: restate there the width
-                # of this model's cache slot (parity.model_spec.mla_slot_width), as kimi-mini's
-                # one KV head of head_dim, or kimi-linear's MLA latent of kv_lora_rank +
-                # qk_rope_head_dim values. The model reads its checkpoint's config.json.
+                # of this model's cache slot (parity.model_spec.mla_slot_width), as kimi-linear's
+                # MLA latent of kv_lora_rank + qk_rope_head_dim values, or as an old kimi-mini
+                # config's (parity/hf_config.py) one KV head of head_dim. The model reads its
+                # checkpoint's config.json.
                 slot = dataclasses.replace(self.spec, kv_cache_dtype=kv_cache_dtype).mla_slot_width(
                     torch_dtype(dtype).itemsize)
-                if self.spec.is_linear:
-                    kwargs["hf_overrides"]["kv_lora_rank"] = slot - self.spec.qk_rope_head_dim
-                else:
+                if model_spec.hf_architecture(self.model_dir) == model_spec.KIMI_MINI_ARCHITECTURE:
                     kwargs["hf_overrides"]["head_dim"] = slot // 2
+                else:
+                    kwargs["hf_overrides"]["kv_lora_rank"] = slot - self.spec.qk_rope_head_dim
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         if gpu_memory_utilization is not None:  # None: vLLM's default

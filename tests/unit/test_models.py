@@ -295,19 +295,29 @@ def test_import_smollm2(tmp_path):
 
 
 def test_kimi_mini_init_with_overrides(tmp_path, capsys):
+    """kimi-mini is an alias that writes kimi-linear; its old `--set` keys map to kimi-linear's."""
     out = tmp_path / "kimi"
     argv = ["model", "init", "--arch", "kimi-mini", "--preset", "tiny", "--seed", "0",
             "--set", 'layer_types=["kda","mla","kda","kda","kda","mla"]', "--set", "n_routed_experts=4",
-            "--set", "index_topk=24", str(out)]
+            "--set", "index_topk=24", "--set", "kda_num_heads=2", "--set", "max_position_embeddings=1024", str(out)]
     assert cli_main(argv) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["KimiMiniForCausalLM"]
-    assert config["num_hidden_layers"] == 6 and config["n_routed_experts"] == 4
+    assert config["architectures"] == ["KimiLinearForCausalLM"] and config["model_type"] == "kimi_linear"
+    assert config["num_hidden_layers"] == 6 and config["num_experts"] == 4 and config["index_topk"] == 24
+    assert config["model_max_length"] == 1024 and "n_routed_experts" not in config
+    lac = config["linear_attn_config"]
+    assert (lac["kda_layers"], lac["full_attn_layers"], lac["num_heads"]) == ([1, 3, 4, 5], [2, 6], 2)
+    assert config["mla_use_nope"] is False and config["first_k_dense_replace"] == 0 and config["q_lora_rank"] == 64
     weights = load_file(str(out / "model.safetensors"))
-    assert "model.layers.5.self_attn.indexer.wk.weight" in weights
-    assert "model.layers.0.mlp.experts.3.down_proj.weight" in weights
-    assert "model.layers.0.mlp.experts.4.down_proj.weight" not in weights
+    assert "model.layers.5.self_attn.indexer.wq_b.weight" in weights  # DeepSeek-V3.2's indexer
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in weights
+    assert "model.layers.0.block_sparse_moe.experts.4.w2.weight" not in weights
+    assert not any(".mlp." in name for name in weights)  # every layer MoE
     validate_model_dir(out)
+    # A kimi-linear key is not an old kimi-mini one: a one-line error.
+    assert cli_main(argv[:8] + ["--set", "num_experts=4", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "not settable for --arch kimi-mini" in err and len(err.strip().splitlines()) == 1
     # Bad values fail before anything is written, naming the problem.
     bad = tmp_path / "bad"
     assert cli_main(argv[:8] + ["--set", "num_experts_per_tok=99", str(bad)]) == 2

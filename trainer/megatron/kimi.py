@@ -1,6 +1,6 @@
-"""kimi-mini and kimi-linear on Megatron-core: a GPTModel whose layer spec plugs in KDA / MLA
-mixers and a MoE (or, in kimi-linear's first first_k_dense_replace layers, a dense SwiGLU)
-feed-forward that compute through parity/kimi.py, the functions the vLLM rollout calls too.
+"""Kimi Linear (and so kimi-mini, a set of its presets) on Megatron-core: a GPTModel whose layer
+spec plugs in KDA / MLA mixers and a MoE (or, in the first first_k_dense_replace layers, a dense
+SwiGLU) feed-forward that compute through parity/kimi.py, the functions the vLLM rollout calls too.
 
 Every layer is a stock `TransformerLayer` (norms, residual adds and the embedding / final norm /
 tied output layer are Megatron's, with the parity norm and linear as in trainer/model.py); only
@@ -53,7 +53,7 @@ Parts = tuple[tuple[str, int], ...]
 
 @dataclass
 class KimiTransformerConfig(TransformerConfig):
-    """TransformerConfig plus the kimi-mini spec, which every mixer / MoE module reads (as
+    """TransformerConfig plus the Kimi spec, which every mixer / MoE module reads (as
     MLATransformerConfig carries MLA's extra fields)."""
 
     kimi_spec: KimiSpec | None = None
@@ -114,7 +114,7 @@ class _Weight(torch.nn.Module):
 def _spec(config: TransformerConfig) -> KimiSpec:
     spec = getattr(config, "kimi_spec", None)
     if spec is None:
-        raise ValueError("kimi-mini modules need a KimiTransformerConfig (kimi_transformer_config)")
+        raise ValueError("Kimi modules need a KimiTransformerConfig (kimi_transformer_config)")
     return spec
 
 
@@ -151,21 +151,17 @@ class KimiKDA(MegatronModule):
         self.linear_f_a_proj = KimiLinear(h, d, dt)
         self.linear_f_b_proj = KimiLinear(d, nh * d, dt)
         self.linear_b_proj = KimiLinear(h, nh, dt)
-        if spec.is_linear:  # kimi-linear's output gate is low rank
-            self.linear_g_a_proj = KimiLinear(h, d, dt)
-            self.linear_g_b_proj = KimiLinear(d, nh * d, dt)
-        else:
-            self.linear_g_proj = KimiLinear(h, nh * d, dt)
+        self.linear_g_a_proj = KimiLinear(h, spec.gate_rank, dt)  # the low-rank output gate
+        self.linear_g_b_proj = KimiLinear(spec.gate_rank, nh * d, dt)
         self.linear_proj = KimiLinear(nh * d, h, dt)
         self.conv1d = _Weight((spec.kda_conv_channels, spec.kda_conv_size), dt)
         self.dt_bias = torch.nn.Parameter(torch.zeros(nh * d, dtype=dt))
-        self.A_log = torch.nn.Parameter(torch.zeros((1, 1, nh, 1) if spec.is_linear else (nh,), dtype=dt))
+        self.A_log = torch.nn.Parameter(torch.zeros((1, 1, nh, 1), dtype=dt))
         self.o_norm = _Weight((d,), dt, 1.0)
         prefix, parts = f"model.layers.{self.layer_index}.self_attn.", _lora_parts(spec)
         for name, hf in _KDA_LINEARS.items():
-            if hasattr(self, name):
-                path = prefix + hf
-                getattr(self, name).set_path(path, parts[path][1] if path in parts else None)
+            path = prefix + hf
+            getattr(self, name).set_path(path, parts[path][1] if path in parts else None)
 
     # parity/kimi.py's names for the same modules
     q_proj = property(lambda self: self.linear_q_proj)
@@ -174,7 +170,6 @@ class KimiKDA(MegatronModule):
     f_a_proj = property(lambda self: self.linear_f_a_proj)
     f_b_proj = property(lambda self: self.linear_f_b_proj)
     b_proj = property(lambda self: self.linear_b_proj)
-    g_proj = property(lambda self: self.linear_g_proj)
     g_a_proj = property(lambda self: self.linear_g_a_proj)
     g_b_proj = property(lambda self: self.linear_g_b_proj)
     o_proj = property(lambda self: self.linear_proj)
@@ -192,20 +187,19 @@ class KimiKDA(MegatronModule):
 _KDA_LINEARS = {
     "linear_q_proj": "q_proj", "linear_k_proj": "k_proj", "linear_v_proj": "v_proj",
     "linear_f_a_proj": "f_a_proj", "linear_f_b_proj": "f_b_proj", "linear_b_proj": "b_proj",
-    "linear_g_proj": "g_proj", "linear_g_a_proj": "g_a_proj", "linear_g_b_proj": "g_b_proj",
-    "linear_proj": "o_proj",
+    "linear_g_a_proj": "g_a_proj", "linear_g_b_proj": "g_b_proj", "linear_proj": "o_proj",
 }
 
 
 class KimiIndexer(torch.nn.Module):
     """The sparse-attention indexer's projections (index queries, the shared index key, head
-    weights); on kimi-linear DeepSeek-V3.2's: queries from the query latent (wq_b) and a
-    LayerNorm (weight + bias) on the index key."""
+    weights): DeepSeek-V3.2's, queries from the query latent (wq_b) and a LayerNorm (weight +
+    bias) on the index key; with index_query_source "hidden" old kimi-mini's (wq on h)."""
 
     def __init__(self, spec: KimiSpec, dtype: torch.dtype):
         super().__init__()
         h, width = spec.hidden_size, spec.index_n_heads * spec.index_head_dim
-        if spec.is_linear:
+        if spec.index_query_source == "latent":
             self.linear_wq_b = KimiLinear(spec.q_lora_rank, width, dtype)
             self.k_norm = _Weight((spec.index_head_dim,), dtype, 1.0)
             self.k_norm.bias = torch.nn.Parameter(torch.zeros(spec.index_head_dim, dtype=dtype))
@@ -270,7 +264,7 @@ class KimiMLA(MegatronModule):
         h = _flat(hidden_states)
         q, entry, index_q, index_w = kimi.mla_entries(self, spec, h, positions)
         ctx, gate = entry.view(b, s, -1), kimi.mla_gate(self, spec, h)
-        if not spec.has_indexer:  # kimi-linear: every earlier key
+        if not spec.has_indexer:  # every earlier key
             return _unflat(kimi.mla_attend_full(self, spec, q, ctx, q_seq, positions, gate), s, b), None
         # Top-k is discrete: no gradient reaches the indexer through it, so skip its graph.
         with torch.no_grad():
@@ -312,7 +306,7 @@ class KimiExpert(torch.nn.Module):
 
 def _set_swiglu_paths(module, prefix: str, parts: dict[str, tuple[int, Parts]], down: str = "down_proj") -> None:
     """HF module paths of a SwiGLU's linear_fc1 / linear_fc2: `{prefix}gate_up_proj` (fused) and
-    `{prefix}{down}` (kimi-linear's routed experts: w2)."""
+    `{prefix}{down}` (routed experts: w2)."""
     module.linear_fc1.set_path(prefix + "gate_up_proj", parts[prefix + "gate_up_proj"][1])
     module.linear_fc2.set_path(prefix + down, parts[prefix + down][1])
 
@@ -339,8 +333,8 @@ class KimiMoE(MegatronModule):
         spec = self.spec = _spec(config)
         dt = config.params_dtype
         self.router = _Weight((spec.n_routed_experts, spec.hidden_size), dt)
-        if spec.is_linear:  # added to the router's scores for the choice of experts only
-            self.router.e_score_correction_bias = torch.nn.Parameter(torch.zeros(spec.n_routed_experts, dtype=dt))
+        # added to the router's scores for the choice of experts only
+        self.router.e_score_correction_bias = torch.nn.Parameter(torch.zeros(spec.n_routed_experts, dtype=dt))
         self.experts = KimiExperts(spec, dt)
         if spec.n_shared_experts:
             self.shared_experts = KimiExpert(spec.hidden_size, spec.shared_intermediate_size, dt)
@@ -353,10 +347,9 @@ class KimiMoE(MegatronModule):
         """TransformerLayer calls this right after building the mlp slot (which gets no layer
         number): the HF paths of the expert linears name their layer."""
         self.layer_index = layer_number - 1
-        block = "block_sparse_moe" if self.spec.is_linear else "mlp"
-        prefix, parts = f"model.layers.{self.layer_index}.{block}.", _lora_parts(self.spec)
+        prefix, parts = f"model.layers.{self.layer_index}.block_sparse_moe.", _lora_parts(self.spec)
         for e, expert in enumerate(self.experts.local_experts):
-            expert.set_paths(f"{prefix}experts.{e}.", parts, "w2" if self.spec.is_linear else "down_proj")
+            expert.set_paths(f"{prefix}experts.{e}.", parts, "w2")
         if self.spec.n_shared_experts:
             self.shared_experts.set_paths(f"{prefix}shared_experts.", parts)
 
@@ -369,7 +362,7 @@ class KimiMoE(MegatronModule):
 
 
 class KimiDenseMLP(MegatronModule):
-    """A dense SwiGLU MLP in the mlp slot (kimi-linear's first first_k_dense_replace layers)."""
+    """A dense SwiGLU MLP in the mlp slot (the first first_k_dense_replace layers)."""
 
     def __init__(self, config: TransformerConfig, **_):
         super().__init__(config=config)
@@ -395,7 +388,8 @@ class KimiDenseMLP(MegatronModule):
 
 
 def kimi_block_spec(spec: KimiSpec) -> TransformerBlockSubmodules:
-    """Per-layer TransformerLayer specs: KDA or MLA mixer by `spec.layer_types`, MoE in every layer."""
+    """Per-layer TransformerLayer specs: KDA or MLA mixer by `spec.layer_types`, MoE (or in the
+    first first_k_dense_replace layers a dense MLP)."""
     mixers = {"kda": KimiKDA, "mla": KimiMLA}
     layers = [
         ModuleSpec(
@@ -417,12 +411,12 @@ def kimi_block_spec(spec: KimiSpec) -> TransformerBlockSubmodules:
 
 
 def build_kimi_gpt(spec: KimiSpec, dtype: torch.dtype, tp_size: int = 1) -> GPTModel:
-    """The kimi-mini GPTModel (parity kernels only); weights are placeholders until loaded."""
+    """The Kimi GPTModel (parity kernels only); weights are placeholders until loaded."""
     if tp_size != 1 or (
         parallel_state.model_parallel_is_initialized()
         and parallel_state.get_tensor_model_parallel_world_size() != 1
     ):
-        raise ValueError("kimi-mini supports tensor parallel size 1 only on the trainer")
+        raise ValueError("the Kimi architectures support tensor parallel size 1 only on the trainer")
     config = kimi_transformer_config(spec, dtype)
     with cpu_current_device():
         model = GPTModel(
@@ -474,7 +468,7 @@ def adaptable_linears(model: GPTModel, targets: list[str]) -> Iterator[tuple[int
     """(layer index, linear) for every linear with a part among `targets`, in module order."""
     unknown = sorted(set(targets) - set(kimi.LORA_TARGETS))
     if unknown:
-        raise ValueError(f"kimi-mini LoRA targets must be among {kimi.LORA_TARGETS}, got {unknown}")
+        raise ValueError(f"Kimi LoRA targets must be among {kimi.LORA_TARGETS}, got {unknown}")
     adaptable = kimi.lora_linears(model.kimi_spec)
     for i, layer in enumerate(model.decoder.layers):
         for module in layer.modules():

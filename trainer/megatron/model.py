@@ -9,6 +9,7 @@ weights, the baseline the parity layer is measured against.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from safetensors.torch import load_file
 
-from parity import kernels, moe
+from parity import kernels, kimi_formats, moe
 from parity.dtypes import torch_dtype
 from parity.model_spec import KimiSpec, ModelSpec, check_kv_cache_dtype, hf_architecture, load_spec
 from parity.tp import check_tp, padded_vocab
@@ -232,6 +233,8 @@ def load_hf_weights(model: GPTModel, model_dir: str | Path, spec: ModelSpec | Ki
     hf = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         hf.update(load_file(str(path)))
+    # An old kimi-mini checkpoint's tensors under kimi-linear's names (the spec already is).
+    hf = dict(kimi_formats.linear_tensors(json.loads((Path(model_dir) / "config.json").read_text()), hf.items()))
     dtype = next(model.parameters()).dtype
     state = {k: v.to(dtype) for k, v in hf_to_megatron(hf, spec).items()}
     tp_size = model.config.tensor_model_parallel_size
@@ -251,8 +254,8 @@ def load_model(
     """Megatron GPTModel with the checkpoint's weights (call trainer.megatron.patches.init_megatron first,
     with the same tp_size; with tp_size > 1 each rank holds its shards, parity/tp.py).
 
-    kimi-mini (trainer/kimi.py) exists only as the parity model: its mixers have no stock
-    Megatron counterpart to serve as a baseline, so parity=False is refused. `kv_cache_dtype`
+    The Kimi architectures (trainer/megatron/kimi.py) exist only as the parity model: their
+    mixers have no stock Megatron counterpart to serve as a baseline, so parity=False is refused. `kv_cache_dtype`
     "fp8" (the Kimi architectures) rounds each MLA cache entry as the rollout's FP8 cache keeps
     it (parity.kimi.mla_entries)."""
     spec = load_spec(model_dir)
@@ -260,7 +263,7 @@ def load_model(
     if isinstance(spec, KimiSpec):
         spec = dataclasses.replace(spec, kv_cache_dtype=kv_cache_dtype)
         if not parity:
-            raise ValueError("kimi-mini has no stock Megatron model: use parity=True")
+            raise ValueError("the Kimi architectures have no stock Megatron model: use parity=True")
         from trainer.megatron.kimi import build_kimi_gpt
 
         model = build_kimi_gpt(spec, torch_dtype(dtype), tp_size)  # raises unless tp_size == 1
