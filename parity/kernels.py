@@ -392,7 +392,11 @@ def _attention_reference(
     scale: float,
 ) -> torch.Tensor:
     """Dense differentiable attention with the same semantics, used to compute gradients only
-    (gradients need not be bitwise reproducible, so this uses plain batched matmuls)."""
+    (gradients need not be bitwise reproducible, so this uses plain batched matmuls).
+
+    It computes in the training layout, every sequence's queries in position order [R, hq, L, d];
+    queries given in another layout (packed sequences, a ragged batch) are placed at their
+    (sequence, position) slot there, the slots no query holds computed as zeros and dropped."""
     nq, hq, d = q.shape
     num_seqs, length, hkv = k.shape[:3]
     g = hq // hkv
@@ -401,21 +405,19 @@ def _attention_reference(
         q_seq, torch.arange(num_seqs).repeat_interleave(per_seq)
     )
     if regular:
-        # The training layout: every sequence contributes the same number of queries, in order.
-        qr = q.float().view(num_seqs, per_seq, hq, d).transpose(1, 2)  # [R, hq, Lq, d]
-        kr = k.float().repeat_interleave(g, dim=2).transpose(1, 2)  # [R, hq, L, d]
-        vr = v.float().repeat_interleave(g, dim=2).transpose(1, 2)
-        scores = qr @ kr.transpose(-1, -2) * scale  # [R, hq, Lq, L]
+        qr = q.float().view(num_seqs, per_seq, hq, d)
         pos = q_pos.view(num_seqs, 1, per_seq, 1)
-        mask = torch.arange(length).view(1, 1, 1, length) > pos
-        probs = scores.masked_fill(mask, -math.inf).softmax(-1)
-        return (probs @ vr).transpose(1, 2).reshape(nq, hq, d).to(q.dtype)
-    kq = k[q_seq].float().repeat_interleave(g, dim=2)  # [nq, L, hq, d]
-    vq = v[q_seq].float().repeat_interleave(g, dim=2)
-    scores = torch.einsum("nhd,nlhd->nhl", q.float(), kq) * scale
-    mask = torch.arange(length).unsqueeze(0) > q_pos.unsqueeze(1)  # [nq, L]
-    probs = scores.masked_fill(mask[:, None, :], -math.inf).softmax(-1)
-    return torch.einsum("nhl,nlhd->nhd", probs, vq).to(q.dtype)
+    else:
+        qr = q.new_zeros((num_seqs, length, hq, d), dtype=torch.float32).index_put((q_seq, q_pos), q.float())
+        pos = torch.arange(length).view(1, 1, length, 1)
+    qr = qr.transpose(1, 2)  # [R, hq, Lq, d]
+    kr = k.float().repeat_interleave(g, dim=2).transpose(1, 2)  # [R, hq, L, d]
+    vr = v.float().repeat_interleave(g, dim=2).transpose(1, 2)
+    scores = qr @ kr.transpose(-1, -2) * scale  # [R, hq, Lq, L]
+    mask = torch.arange(length).view(1, 1, 1, length) > pos
+    probs = scores.masked_fill(mask, -math.inf).softmax(-1)
+    out = (probs @ vr).transpose(1, 2)  # [R, Lq, hq, d]
+    return (out.reshape(nq, hq, d) if regular else out[q_seq, q_pos]).to(q.dtype)
 
 
 def attention_scale(head_dim: int) -> float:

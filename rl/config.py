@@ -503,6 +503,10 @@ def _check_model_fit(cfg: Config, sources: _Sources, model_dir: Path) -> None:
     except (OSError, ValueError, AttributeError):
         architectures = [""]  # validate_model_dir reports a broken config.json with its line
     kimi = architectures[0] in KIMI_FORMATS
+    if cfg.trainer.packed_sequences and (kimi or not cfg.parity.enabled or cfg.trainer.backend != "megatron"):
+        raise err("trainer.packed_sequences", "needs trainer.backend megatron, parity.enabled true and a dense "
+                  f"model (the parity attention takes the packed layout); got {cfg.trainer.backend}, "
+                  f"parity.enabled {str(cfg.parity.enabled).lower()}, {architectures[0]}")
     if kimi:
         if not cfg.parity.enabled:
             raise err("parity.enabled", f"must be true for {architectures[0]}: its KDA / MLA / MoE layers exist "

@@ -50,6 +50,10 @@ class TrainerConfig:
     eps: float = setting(1e-8, gt=0)
     grad_clip: float = setting(1.0, ge=0)  # max gradient norm; 0 disables clipping
     micro_batch_size: int = setting(8, ge=1)
+    # megatron, parity on, dense models: a micro-batch's sequences run end to end in one row
+    # (Megatron's THD layout) instead of right-padded rows, so padding costs nothing. The
+    # parity kernels give every token the bits the padded forward gives it.
+    packed_sequences: bool = False
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parity.model_spec import load_spec
+from parity.model_spec import KimiSpec, load_spec
 from parity.sampling import Sampling
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from trainer.ppo import (
@@ -65,25 +65,45 @@ class Batch:
 
 @dataclass
 class Micro:
-    """A right-padded micro-batch: what one forward pass needs."""
+    """A micro-batch as one forward takes it: right-padded rows ids [B, W], or (packed) every
+    sequence end to end in one row ids [1, N] with `cu_seqlens`, no padding to compute."""
 
     rows: list[int]  # its rows in the batch
-    ids: Tensor  # [B, W] token ids
-    index: Tensor  # [B, T] logits position that scores response token t (0 on padding)
+    ids: Tensor  # [B, W] or, packed, [1, N] token ids
+    # [B, T]: where response token t of row b is scored, as an index into the forward's
+    # per-position outputs flattened (positions 0..W-2 of each padded row, or 0..N-2 of the
+    # packed one): position p's logits predict token p + 1. 0 on padding.
+    index: Tensor
     lengths: list[int]  # response lengths
+    cu_seqlens: Tensor | None = None  # packed: int32 [B + 1] sequence offsets in ids[0]
+
+    def response(self, per_position: Tensor) -> Tensor:
+        """The response tokens' entries [B, T, ...] of a forward's per-position output
+        [B, W - 1, ...] (or [1, N - 1, ...] packed). Picks elements, so their bits are kept."""
+        return per_position.flatten(0, 1)[self.index]
 
 
-def micro_batch(sequences: list[list[int]], starts: list[int], rows: list[int]) -> Micro:
+def micro_batch(sequences: list[list[int]], starts: list[int], rows: list[int], packed: bool = False) -> Micro:
     seqs = [sequences[r] for r in rows]
     lengths = [len(sequences[r]) - starts[r] for r in rows]
-    ids = torch.zeros(len(rows), max(len(s) for s in seqs), dtype=torch.long)
     index = torch.zeros(len(rows), max(lengths), dtype=torch.long)
-    for j, (r, seq, n) in enumerate(zip(rows, seqs, lengths, strict=True)):
-        ids[j, : len(seq)] = torch.tensor(seq)
-        # Position p's logits predict token p + 1, so response token t (at start + t) is
-        # scored at start - 1 + t, as in sequence_logprobs.
-        index[j, :n] = torch.arange(starts[r] - 1, starts[r] - 1 + n)
-    return Micro(rows, ids, index, lengths)
+    if packed:
+        offsets = [0]
+        for seq in seqs:
+            offsets.append(offsets[-1] + len(seq))
+        ids = torch.tensor([tok for seq in seqs for tok in seq]).unsqueeze(0)
+        cu_seqlens = torch.tensor(offsets, dtype=torch.int32)
+    else:
+        ids = torch.zeros(len(rows), max(len(s) for s in seqs), dtype=torch.long)
+        for j, seq in enumerate(seqs):
+            ids[j, : len(seq)] = torch.tensor(seq)
+        offsets = [j * (ids.shape[1] - 1) for j in range(len(rows))]
+        cu_seqlens = None
+    for j, (r, n) in enumerate(zip(rows, lengths, strict=True)):
+        # Response token t (at start + t) is scored at position start - 1 + t, as in
+        # sequence_logprobs.
+        index[j, :n] = torch.arange(offsets[j] + starts[r] - 1, offsets[j] + starts[r] - 1 + n)
+    return Micro(rows, ids, index, lengths, cu_seqlens)
 
 
 def chunks(rows: list[int], size: int) -> list[list[int]]:
@@ -146,6 +166,11 @@ class PolicyStep(ABC):
         self.algorithm = algorithm or AlgorithmConfig()
         self._check_configs()
         self.spec = load_spec(model_dir)  # dense ModelSpec or KimiSpec (kimi-mini)
+        if self.config.packed_sequences and (isinstance(self.spec, KimiSpec) or not parity
+                                             or self.config.backend != "megatron"):
+            raise ValueError("trainer.packed_sequences needs trainer.backend megatron, parity on and a "
+                             f"dense model (the parity attention takes the packed layout); got "
+                             f"{self.config.backend}, parity {parity}, {self.spec.arch}")
 
     def _check_configs(self) -> None:
         if self.config.tensor_parallel_size > 1 and not self.lora_config.enabled:
@@ -182,8 +207,8 @@ class PolicyStep(ABC):
 
     @abstractmethod
     def _policy_forward(self, mb: Micro) -> tuple[Tensor, Tensor]:
-        """(log-probs [B, T] of the response tokens, logits [B, W - 1, V] of the sampled
-        distribution), with grad."""
+        """(log-probs [B, T] of the response tokens, logits [B, W - 1, V] (packed: [1, N - 1, V])
+        of the sampled distribution), with grad."""
 
     @abstractmethod
     def _critic_forward(self, mb: Micro) -> Tensor:
@@ -199,7 +224,7 @@ class PolicyStep(ABC):
     def _values(self, sequences: list[list[int]], starts: list[int]) -> list[Tensor]:
         out = []
         for rows in chunks(list(range(len(sequences))), self.config.micro_batch_size):
-            mb = micro_batch(sequences, starts, rows)
+            mb = micro_batch(sequences, starts, rows, self.config.packed_sequences)
             v = self._critic_forward(mb)
             out += [v[j, :n].clone() for j, n in enumerate(mb.lengths)]
         return out
@@ -402,7 +427,7 @@ class PolicyStep(ABC):
         token mean; times `weight`, its share of the minibatch's tokens, the gradients summed
         over a minibatch's micro-batches are those of the minibatch's token mean."""
         algo = self.algorithm
-        mb = micro_batch(batch.sequences, batch.starts, micro_rows)
+        mb = micro_batch(batch.sequences, batch.starts, micro_rows, self.config.packed_sequences)
         width = mb.index.shape[1]
         m = {k: None if v is None else v[micro_rows, :width] for k, v in t.items()}
         mask = m["mask"]
@@ -413,8 +438,7 @@ class PolicyStep(ABC):
         parts = {"ppo/policy_loss": loss.detach(), "ppo/clipfrac": pg_stats["clipfrac"],
                  "ppo/kl": pg_stats["approx_kl"]}
         # Response positions only: the prompt's entropy is neither trained nor reported.
-        vocab = logits.shape[-1]
-        response_logits = logits.gather(1, mb.index.unsqueeze(-1).expand(-1, -1, vocab))
+        response_logits = mb.response(logits)
         if algo.entropy_coef == 0:
             response_logits = response_logits.detach()  # a statistic only: keep no graph
         entropy = masked_mean(entropy_from_logits(response_logits), mask)

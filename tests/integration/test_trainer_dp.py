@@ -1,9 +1,9 @@
 """Layout-invariant training (`trainer.deterministic_layout`) on the Megatron backend: three PPO
 steps (LoRA policy, LoRA critic + value head, KL and entropy terms, two minibatches a step)
 from one fixed batch give the same bits at (data_parallel_size, micro_batch_size) = (1, 1),
-(1, 4), (2, 1) and (2, 4): the SHA-256 of every trainable tensor and every optimizer tensor,
+(1, 4), (1, 4) with packed sequences, (2, 1) and (2, 4): the SHA-256 of every trainable tensor and every optimizer tensor,
 and every metric, are equal, and each rank trains its share of tokens (> 0). At
-tensor_parallel_size 2, (DP, micro-batch) = (1, 4) and (2, 1) agree with each other on all
+tensor_parallel_size 2, (DP, micro-batch) = (1, 4) packed and (2, 1) agree with each other on all
 ranks. The ordered step is also the plain step's math: its first step's losses equal the
 plain path's to rounding (the plain path's bits do depend on the micro-batch size).
 """
@@ -33,13 +33,13 @@ def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
 
 
-def _trainer(path: str, dp: int, micro: int, deterministic: bool = True, tp: int = 1):
+def _trainer(path: str, dp: int, micro: int, deterministic: bool = True, tp: int = 1, packed: bool = False):
     from trainer.megatron.policy import PolicyTrainer
 
     return PolicyTrainer(
         path, "fp32", True, LoraConfig(enabled=True),
-        TrainerConfig(lr=1e-2, micro_batch_size=micro, data_parallel_size=dp,
-                      tensor_parallel_size=tp, deterministic_layout=deterministic),
+        TrainerConfig(lr=1e-2, micro_batch_size=micro, data_parallel_size=dp, tensor_parallel_size=tp,
+                      deterministic_layout=deterministic, packed_sequences=packed),
         AlgorithmConfig(name="ppo", minibatches=2, kl_coef=0.05, entropy_coef=0.01), seed=0,
     )
 
@@ -63,15 +63,16 @@ def _hashes(trainer) -> dict[str, str]:
     return hashes
 
 
-def _train(path: str, dp: int, micro: int, deterministic: bool = True, tp: int = 1) -> dict:
+def _train(path: str, dp: int, micro: int, deterministic: bool = True, tp: int = 1, packed: bool = False) -> dict:
     """STEPS PPO steps at this layout; the hashes of the state and the stats of every step."""
-    trainer = _trainer(path, dp, micro, deterministic, tp)
+    trainer = _trainer(path, dp, micro, deterministic, tp, packed)
     stats = _steps(trainer, STEPS)
     moved = sum(int(v.abs().sum() > 0) for v in trainer.state_dict()["critic"].values())
     return {"hashes": _hashes(trainer), "stats": stats, "moved": moved}
 
 
-def _rank(rank: int, size: int, tp: int, micros: tuple[int, ...], rendezvous: str, path: str, out: str) -> None:
+def _rank(rank: int, size: int, tp: int, micros: tuple[int, ...], packed: bool, rendezvous: str, path: str,
+          out: str) -> None:
     """One process of a world of `size` ranks, `tp` per TP group: that world's layouts. At
     TP 1 it also writes (rank 0) a checkpoint after STEPS - 1 steps at micro-batch 4."""
     from trainer.checkpoint import save_checkpoint
@@ -81,7 +82,7 @@ def _rank(rank: int, size: int, tp: int, micros: tuple[int, ...], rendezvous: st
     torch.set_num_threads(1)
     init_world(rank, size, rendezvous)
     init_megatron(tp_size=tp, seed=0)
-    runs = {f"dp{size // tp}-mb{micro}": _train(path, size // tp, micro, True, tp) for micro in micros}
+    runs = {f"dp{size // tp}-mb{micro}": _train(path, size // tp, micro, True, tp, packed) for micro in micros}
     if tp == 1:
         trainer = _trainer(path, size, 4)
         _steps(trainer, STEPS - 1)
@@ -90,20 +91,22 @@ def _rank(rank: int, size: int, tp: int, micros: tuple[int, ...], rendezvous: st
     torch.save(runs, os.path.join(out, f"rank{rank}.pt"))
 
 
-def _world(path: str, tmp, size: int, tp: int = 1, micros: tuple[int, ...] = (1, 4)) -> list[dict]:
+def _world(path: str, tmp, size: int, tp: int = 1, micros: tuple[int, ...] = (1, 4), packed: bool = False
+           ) -> list[dict]:
     out = tmp / f"world{size}-tp{tp}"
     out.mkdir()
-    mp.spawn(_rank, nprocs=size, join=True, args=(size, tp, micros, str(out / "store"), path, str(out)))
+    mp.spawn(_rank, nprocs=size, join=True, args=(size, tp, micros, packed, str(out / "store"), path, str(out)))
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(size)]
 
 
 @pytest.fixture(scope="module")
 def runs(model_factory, tmp_path_factory, megatron):
-    """(DP, micro-batch) = (1, 1), (1, 4) and the plain step here (a world of one, torch's
-    default thread count), then (2, 1) and (2, 4) on 2 spawned ranks (one thread each)."""
+    """(DP, micro-batch) = (1, 1), (1, 4), (1, 4) with packed sequences and the plain step here
+    (a world of one, torch's default thread count), then (2, 1) and (2, 4) on 2 spawned ranks
+    (one thread each)."""
     path = model_factory("llama", "fp32")
     one = {"dp1-mb1": _train(path, 1, 1, True), "dp1-mb4": _train(path, 1, 4, True),
-           "plain-mb4": _train(path, 1, 4, False)}
+           "dp1-mb4-packed": _train(path, 1, 4, True, packed=True), "plain-mb4": _train(path, 1, 4, False)}
     tmp = tmp_path_factory.mktemp("trainer-dp")
     rank0, rank1 = _world(path, tmp, 2)
     return one, (rank0, rank1), path, tmp / "world2-tp1"
@@ -111,16 +114,16 @@ def runs(model_factory, tmp_path_factory, megatron):
 
 @pytest.fixture(scope="module")
 def tp_runs(model_factory, tmp_path_factory) -> list[dict]:
-    """(DP, TP, micro-batch) = (1, 2, 4) and (2, 2, 1): every rank's run."""
+    """(DP, TP, micro-batch) = (1, 2, 4) with packed sequences and (2, 2, 1) padded: every rank's run."""
     path = model_factory("llama", "fp32")
     tmp = tmp_path_factory.mktemp("trainer-dp-tp")
-    return [run for world in (_world(path, tmp, 2, 2, (4,)), _world(path, tmp, 4, 2, (1,)))
+    return [run for world in (_world(path, tmp, 2, 2, (4,), packed=True), _world(path, tmp, 4, 2, (1,)))
             for ranks in world for run in ranks.values()]
 
 
 def _layouts(runs) -> dict[str, dict]:
     one, (rank0, rank1), _, _ = runs
-    return {"dp1-mb1": one["dp1-mb1"], "dp1-mb4": one["dp1-mb4"],
+    return {"dp1-mb1": one["dp1-mb1"], "dp1-mb4": one["dp1-mb4"], "dp1-mb4-packed": one["dp1-mb4-packed"],
             **{f"rank{r}-{k}": v for r, ranks in enumerate((rank0, rank1)) for k, v in ranks.items()}}
 
 
@@ -177,7 +180,7 @@ def test_resume_on_another_layout_continues_the_run(runs):
 
 
 def test_data_parallel_composes_with_tensor_parallel(tp_runs):
-    """At TP = 2, DP 1 or 2 and any micro-batch size give the same bits on every rank. (Not
+    """At TP = 2, DP 1 or 2, any micro-batch size, padded or packed give the same bits on every rank. (Not
     TP = 1's bits: the TP backward is still plain torch, whose gradient reductions across the
     TP ranks round differently; see docs/trainer_scale.md.)"""
     reference = tp_runs[0]
@@ -200,3 +203,5 @@ def test_trainer_refuses_what_it_cannot_keep(model_factory, megatron):
     # This process is a world of one: two data-parallel ranks are not there to gather from.
     with pytest.raises(ValueError, match="data_parallel_size is 2, but the process group holds 1"):
         PolicyTrainer(path, trainer=TrainerConfig(data_parallel_size=2, deterministic_layout=True))
+    with pytest.raises(ValueError, match="packed_sequences needs trainer.backend megatron, parity on"):
+        PolicyTrainer(path, parity=False, trainer=TrainerConfig(packed_sequences=True))

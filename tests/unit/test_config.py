@@ -360,6 +360,10 @@ _DATA_PARALLEL_ERRORS = [
     ("data:\n  prompts_per_step: 2\nrollout:\n  samples_per_prompt: 2\n"
      "trainer:\n  data_parallel_size: 8\n  deterministic_layout: true\n", 9,
      "trainer.data_parallel_size: is 8, but a minibatch has 4 sequences"),
+    ("trainer:\n  backend: deepspeed\n  packed_sequences: true\n", 6,
+     "trainer.packed_sequences: needs trainer.backend megatron, parity.enabled true and a dense model"),
+    ("parity:\n  enabled: false\ntrainer:\n  packed_sequences: true\n", 7,
+     "trainer.packed_sequences: needs trainer.backend megatron"),
 ]
 
 

@@ -197,6 +197,32 @@ def test_attention_matches_dense_reference_and_has_gradients():
         assert (g - t.grad).abs().max() < 1e-4
 
 
+
+def test_attention_gradient_reference_takes_packed_queries():
+    """Queries of ragged sequences given end to end (packed training): the reference computes
+    each as the sequence alone does, gradients included (not bitwise: a plain-torch backward)."""
+    lengths = (7, 12, 1)
+    q = _randn(3, sum(lengths), 4, 16).requires_grad_()
+    k = _randn(4, 3, 12, 2, 16).requires_grad_()
+    v = _randn(5, 3, 12, 2, 16).requires_grad_()
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    packed = kernels._attention_reference(q, k, v, seq, pos, 0.25)
+    packed.square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    first = 0
+    for r, n in enumerate(lengths):
+        alone = kernels._attention_reference(q[first : first + n], k[r : r + 1, :n], v[r : r + 1, :n],
+                                             torch.zeros(n, dtype=torch.long), torch.arange(n), 0.25)
+        torch.testing.assert_close(packed[first : first + n], alone)
+        alone.square().sum().backward()
+        first += n
+    for g, t in zip(grads, (q, k, v), strict=True):
+        torch.testing.assert_close(g, t.grad)
+
+
 @SETTINGS
 @given(rows=st.integers(1, 40), vocab=st.sampled_from([512, 2048, 49152]), dtype=DTYPES,
        seed=st.integers(0, 2**16), pick=st.integers(0, 39))

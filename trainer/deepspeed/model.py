@@ -236,4 +236,4 @@ def sequence_logprobs(
 ) -> list[torch.Tensor]:
     """log p(seq[i] | seq[:i]) for i in [start, len) per sequence, float32, of the distribution
     `sampling` samples from (raw softmax: None); parity.scoring."""
-    return batched_logprobs(lambda ids: forward_logits(model, ids), sequences, starts, batch_size, sampling)
+    return batched_logprobs(lambda ids, _: forward_logits(model, ids), sequences, starts, batch_size, sampling)

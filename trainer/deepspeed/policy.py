@@ -139,7 +139,7 @@ class DeepSpeedPolicyTrainer(PolicyStep):
     def _score(self, mode: str, sequences, starts, sampling: Sampling | None) -> list[Tensor]:
         from parity.scoring import batched_logprobs
 
-        return batched_logprobs(lambda ids: self.engine(mode, ids), sequences, starts,
+        return batched_logprobs(lambda ids, _: self.engine(mode, ids), sequences, starts,
                                 self.config.micro_batch_size, sampling)
 
     @torch.no_grad()
@@ -155,11 +155,11 @@ class DeepSpeedPolicyTrainer(PolicyStep):
 
     def _policy_forward(self, mb: Micro) -> tuple[Tensor, Tensor]:
         logits = processed_logits(self.engine("policy", mb.ids)[:, :-1], self.sampling)
-        logp = kernels.token_logprobs(logits, mb.ids[:, 1:]).gather(1, mb.index)
+        logp = mb.response(kernels.token_logprobs(logits, mb.ids[:, 1:]))
         return logp, logits
 
     def _critic_forward(self, mb: Micro) -> Tensor:
-        return self.engine("critic", mb.ids).gather(1, mb.index)
+        return mb.response(self.engine("critic", mb.ids)[:, :-1])
 
     # --- training: this rank's share, DeepSpeed's step ---------------------------------------
 

@@ -199,9 +199,10 @@ class ParityCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params.cu_seqlens_q)
         # Sequences are right-padded (never left): causal attention keeps padding out of the
         # positions that are scored, so attention_mask is not needed.
-        assert packed_seq_params is None, "packed sequences are not supported"
         sq, b, nh, d = query.shape
         ng = key.shape[2]
         positions = torch.arange(sq).repeat(b)
@@ -213,6 +214,30 @@ class ParityCoreAttention(MegatronModule):
         seq = torch.arange(b).repeat_interleave(sq)
         out = kernels.attention(q, k, v, seq, positions, kernels.attention_scale(d))
         return out.view(b, sq, nh * d).transpose(0, 1)
+
+    def _packed(self, query, key, value, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """THD: Megatron passes q [t, np, d], k/v [t, ng, d] of sequences packed end to end and
+        takes [t, np * d] back. Each sequence's keys and values are laid out as its own row of
+        kernels.attention's [R, L, ng, d] context: a query's arithmetic is the padded
+        forward's (its own sequence's keys, blocks in order), so the bits are too."""
+        t, nh, d = query.shape
+        seq, positions = packed_positions(cu_seqlens.to(query.device))
+        q = kernels.apply_rope(query, positions, self.rope)
+        k = kernels.apply_rope(key, positions, self.rope)
+        longest = int(cu_seqlens.diff().max())
+        context = (cu_seqlens.numel() - 1, longest, *key.shape[1:])
+        k_rows = k.new_zeros(context).index_put((seq, positions), k)
+        v_rows = value.new_zeros(context).index_put((seq, positions), value)
+        out = kernels.attention(q, k_rows, v_rows, seq, positions, kernels.attention_scale(d))
+        return out.view(t, nh * d)
+
+
+def packed_positions(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index [N], position in its own sequence [N]) of each token of a packed row
+    whose sequences start at cu_seqlens[:-1]."""
+    counts = cu_seqlens.diff().long()
+    seq = torch.repeat_interleave(torch.arange(counts.numel(), device=cu_seqlens.device), counts)
+    return seq, torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - cu_seqlens[:-1].long()[seq]
 
 
 def common_config(dtype: torch.dtype) -> dict:

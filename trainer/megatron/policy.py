@@ -40,12 +40,13 @@ from trainer.megatron.model import load_model
 from trainer.step import CRITIC_ADAPTER, Micro, PolicyStep
 
 
-def final_hidden(model: GPTModel, input_ids: Tensor) -> Tensor:
-    """Final-norm hidden states [B, S, H]. With post_process off, GPTModel returns the decoder
-    output instead of logits; the decoder keeps its own flag, so the final norm still runs."""
+def final_hidden(model: GPTModel, input_ids: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+    """Final-norm hidden states [B, S, H] (forward_output's layouts). With post_process off,
+    GPTModel returns the decoder output instead of logits; the decoder keeps its own flag, so
+    the final norm still runs."""
     model.post_process = False
     try:
-        return forward_output(model, input_ids).transpose(0, 1)
+        return forward_output(model, input_ids, cu_seqlens).transpose(0, 1)
     finally:
         model.post_process = True
 
@@ -155,7 +156,8 @@ class PolicyTrainer(PolicyStep):
         (what vLLM's teacher-forced prompt log-probs are)."""
         sampling = None if raw else self.sampling
         return self._score_shares(
-            lambda seqs, st: sequence_logprobs(self.model, seqs, st, self.config.micro_batch_size, sampling),
+            lambda seqs, st: sequence_logprobs(self.model, seqs, st, self.config.micro_batch_size, sampling,
+                                               self.config.packed_sequences),
             sequences, starts)
 
     @torch.no_grad()
@@ -168,28 +170,29 @@ class PolicyTrainer(PolicyStep):
 
         def score(seqs: list[list[int]], st: list[int]) -> list[Tensor]:
             with lora_lib.adapters_disabled(self.frozen):
-                return sequence_logprobs(self.frozen, seqs, st, self.config.micro_batch_size, tempered)
+                return sequence_logprobs(self.frozen, seqs, st, self.config.micro_batch_size, tempered,
+                                         self.config.packed_sequences)
 
         return self._score_shares(score, sequences, starts)
 
     def _policy_forward(self, mb: Micro) -> tuple[Tensor, Tensor]:
-        """(log-probs [B, T] of the response tokens, logits [B, W - 1, V] of the sampled
-        distribution), with grad."""
+        """(log-probs [B, T] of the response tokens, logits [B, W - 1, V] (packed: [1, N - 1, V])
+        of the sampled distribution), with grad."""
         # On a CUDA model, processed_logits returns a host copy (parity.sampling): the loss is
         # computed next to the batch's tensors and its gradient flows back to the device.
-        logits = processed_logits(forward_logits(self.model, mb.ids)[:, :-1], self.sampling)
+        logits = processed_logits(forward_logits(self.model, mb.ids, mb.cu_seqlens)[:, :-1], self.sampling)
         # The same ops as sequence_logprobs (gather picks the same elements it slices), so at
         # the first minibatch the new log-probs equal the old ones bitwise: ratio exactly 1.
-        logp = kernels.token_logprobs(logits, mb.ids[:, 1:]).gather(1, mb.index)
+        logp = mb.response(kernels.token_logprobs(logits, mb.ids[:, 1:]))
         return logp, logits
 
     def _critic_forward(self, mb: Micro) -> Tensor:
         """Values [B, T] at the positions that score the response tokens."""
         with lora_lib.adapter_active(self.frozen, CRITIC_ADAPTER):
-            hidden = final_hidden(self.frozen, mb.ids).float()
+            hidden = final_hidden(self.frozen, mb.ids, mb.cu_seqlens).float()
         # kernels.linear: batch invariant, so a row's value does not depend on its micro-batch.
         values = kernels.linear(hidden, self.value_head.weight, self.value_head.bias)
-        return values.squeeze(-1).gather(1, mb.index)
+        return mb.response(values.squeeze(-1)[:, :-1])
 
     # --- training: backward and optimizer step ------------------------------------------
 
