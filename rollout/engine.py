@@ -52,6 +52,7 @@ from rollout.vllm_patches import (
     install_parity_sampler,
     keep_default_process_group,
     keep_set_num_threads,
+    prepack_moe_on_update,
     thaw_envs_cache,
 )
 
@@ -156,7 +157,8 @@ class ParityWorkerExtension:
 
     def kimi_rl_update_weights(self, payload: Tensors | bytes) -> None:
         # vLLM's in-place reload: the model's load_weights through the parameters' (wrapped)
-        # weight loaders, into the live storage.
+        # weight loaders, into the live storage; a stock MoE's experts prepacked again.
+        prepack_moe_on_update()
         self.reload_weights(weights_iterator=iter(_unpack(payload).items()))
 
     def kimi_rl_weight_checksums(self) -> dict[str, str]:

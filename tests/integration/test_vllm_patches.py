@@ -125,3 +125,38 @@ def test_sampler_patch_needed_and_applies(model_factory, monkeypatch):
     monkeypatch.setattr("rollout.engine.install_parity_sampler", lambda runner: False)
     installed, first, second = two_draws()
     assert not installed and first != second
+
+
+def test_moe_prepack_patch_needed_and_applies(model_factory, monkeypatch):
+    """Patch 6. Needed: without it, stock vLLM's Qwen3-MoE reloading its own checkpoint
+    computes another function (the same seed samples other tokens or log-probs). Applies: with
+    it, the reload leaves every token and log-prob bitwise as it was."""
+    from safetensors.torch import load_file
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    from parity.sampling import Sampling
+    from rollout.engine import RolloutEngine
+
+    model_dir = model_factory("qwen3-moe", "fp32")
+    checkpoint = load_file(f"{model_dir}/model.safetensors")
+    prompts = [[5, 17, 33, 99, 120, 7], [3, 44, 81], [9] * 12]
+
+    def reload_changes() -> tuple[bool, bool]:
+        with RolloutEngine(model_dir, parity=False, max_model_len=64, max_num_seqs=4, multiprocess=False) as engine:
+            engine.reseed(0)
+            before = engine.generate(prompts, 8, Sampling())
+            engine.update_weights(checkpoint)
+            engine.reseed(0)  # stock vLLM draws from the worker's generator
+            after = engine.generate(prompts, 8, Sampling())
+        tokens = [a.token_ids == b.token_ids for a, b in zip(before, after, strict=True)]
+        logprobs = [torch.equal(a.rollout_logprobs, b.rollout_logprobs) for a, b in zip(before, after, strict=True)]
+        return all(tokens), all(logprobs)
+
+    setup = UnquantizedFusedMoEMethod._setup_kernel
+    monkeypatch.setattr(UnquantizedFusedMoEMethod, "_setup_kernel", getattr(setup, "__wrapped__", setup))
+    monkeypatch.setattr("rollout.engine.prepack_moe_on_update", lambda: False)
+    assert reload_changes() != (True, True)
+    monkeypatch.undo()
+    assert reload_changes() == (True, True)
