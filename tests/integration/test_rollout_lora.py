@@ -156,6 +156,11 @@ def test_resync_after_a_training_step(case):
             assert case.engine.llm.collective_rpc(_held_adapter_storage) == storage
     finally:
         load_peft_state_dict(case.trainer, saved)
+    # An adapter that does not fit the attached targets is refused before any copy.
+    first = next(iter(saved))
+    for bad in ({k: v for k, v in saved.items() if k != first}, {**saved, first.replace("layers.0.", "layers.99."): saved[first]}):
+        with pytest.raises(ValueError, match="the adapter does not fit this model's LoRA targets"):
+            load_peft_state_dict(case.trainer, bad)
 
 
 def test_packed_sync_rollout_equals_trainer(case):

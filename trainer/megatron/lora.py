@@ -192,8 +192,15 @@ def rollout_tensors(model: GPTModel) -> dict[str, torch.Tensor]:
 
 
 def load_peft_state_dict(model: GPTModel, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy a peft adapter (peft names) into the attached adapters. ValueError, before any copy,
+    unless the adapter holds exactly the pairs attached (an adapter of another model, or of
+    other target modules, would otherwise be half loaded)."""
+    slots = {_peft_key(i, adapter, name, which): (adapter, name, which)
+             for i, adapter in adapters(model) for name in adapter.names for which in "AB"}
+    missing, unexpected = sorted(slots.keys() - tensors.keys()), sorted(tensors.keys() - slots.keys())
+    if missing or unexpected:
+        raise ValueError(f"the adapter does not fit this model's LoRA targets: {len(missing)} missing "
+                         f"(first: {missing[:1]}), {len(unexpected)} unexpected (first: {unexpected[:1]})")
     with torch.no_grad():
-        for i, adapter in adapters(model):
-            for name in adapter.names:
-                adapter.lora_A[name].copy_(tensors[_peft_key(i, adapter, name, "A")])
-                adapter.lora_B[name].copy_(tensors[_peft_key(i, adapter, name, "B")])
+        for key, (adapter, name, which) in slots.items():
+            (adapter.lora_A if which == "A" else adapter.lora_B)[name].copy_(tensors[key])
