@@ -396,7 +396,8 @@ def _attention_reference(
 
     It computes in the training layout, every sequence's queries in position order [R, hq, L, d];
     queries given in another layout (packed sequences, a ragged batch) are placed at their
-    (sequence, position) slot there, the slots no query holds computed as zeros and dropped."""
+    (sequence, position) slot there, the slots no query holds computed as zeros and dropped.
+    Queries that share a slot (not a layout the engines make) are computed one by one."""
     nq, hq, d = q.shape
     num_seqs, length, hkv = k.shape[:3]
     g = hq // hkv
@@ -404,6 +405,13 @@ def _attention_reference(
     regular = per_seq * num_seqs == nq and torch.equal(
         q_seq, torch.arange(num_seqs).repeat_interleave(per_seq)
     )
+    if not regular and (q_seq * length + q_pos).unique().numel() < nq:
+        kq = k[q_seq].float().repeat_interleave(g, dim=2)  # [nq, L, hq, d]
+        vq = v[q_seq].float().repeat_interleave(g, dim=2)
+        scores = torch.einsum("nhd,nlhd->nhl", q.float(), kq) * scale
+        mask = torch.arange(length).unsqueeze(0) > q_pos.unsqueeze(1)  # [nq, L]
+        probs = scores.masked_fill(mask[:, None, :], -math.inf).softmax(-1)
+        return torch.einsum("nhl,nlhd->nhd", probs, vq).to(q.dtype)
     if regular:
         qr = q.float().view(num_seqs, per_seq, hq, d)
         pos = q_pos.view(num_seqs, 1, per_seq, 1)

@@ -476,8 +476,7 @@ def train(cfg: Config, console=None) -> Path:
         except NodeLost as lost:
             raise _node_lost(loop, lost) from None
         if not trainer_alive:
-            raise RunFailed(f"step {loop.step}: the trainer process died ({type(e).__name__}); "
-                            f"the step was not applied; {_last_checkpoint(run_dir)}") from None
+            raise _step_failed(loop, f"the trainer process died ({type(e).__name__})") from None
         raise
     except NodeLost as lost:  # found by generate_with_restart
         raise _node_lost(loop, lost) from None
@@ -613,17 +612,23 @@ def _alive(actor) -> bool:
 
 
 def _node_lost(loop: Loop, lost: NodeLost) -> RunFailed:
-    return RunFailed(f"step {loop.step}: {lost}; the step was not applied; {_last_checkpoint(loop.run_dir)}")
+    return _step_failed(loop, str(lost))
 
 
-def _last_checkpoint(run_dir: Path) -> str:
+def _step_failed(loop: Loop, what: str) -> RunFailed:
+    """RunFailed for step loop.step cut short by `what`, naming the checkpoint to resume from.
+    A failure while the step's own checkpoint was being finished (it is already the newest valid
+    one) comes after the step was applied: the message says so rather than "not applied"."""
     from trainer.checkpoint import CheckpointError, resolve_checkpoint
 
     try:
-        step, _ = resolve_checkpoint(run_dir)
+        last, _ = resolve_checkpoint(loop.run_dir)
     except CheckpointError:
-        return f"no checkpoint yet under {run_dir}: start again"
-    return f"the last checkpoint is {step}: continue with --resume {run_dir}"
+        return RunFailed(f"step {loop.step}: {what}; the step was not applied; "
+                         f"no checkpoint yet under {loop.run_dir}: start again")
+    applied = "its checkpoint was written" if last.name == _step_name(loop.step) else "the step was not applied"
+    return RunFailed(f"step {loop.step}: {what}; {applied}; the last checkpoint is {last}: "
+                     f"continue with --resume {loop.run_dir}")
 
 
 def save(run: Run, run_dir: Path, step: int, source, cfg: Config) -> None:

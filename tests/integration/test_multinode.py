@@ -202,7 +202,7 @@ def _kill_host_b_after_a_checkpoint(cluster: Cluster, run_dir: Path, *args: str)
 def _stop_line(run_dir: Path, who: str) -> str:
     here = re.escape(str(run_dir))
     return (rf"kimi-rl: error: step [23]: node 10\.77\.0\.2 \({who}\) left the Ray cluster "
-            rf"\(\w+\); the step was not applied; the last checkpoint is {here}/checkpoints/step_00000[12]: "
+            rf"\(\w+\); (the step was not applied|its checkpoint was written); the last checkpoint is {here}/checkpoints/step_00000[12]: "
             rf"continue with --resume {here}\n")
 
 
