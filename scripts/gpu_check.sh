@@ -10,10 +10,18 @@
 # time limit and log; a failing stage does not stop the next. STAGES=tests,bench,trainer,vllm,check
 # picks stages (vllm: the import, check: the parity check); DEADLINE=SECONDS caps the whole run;
 # C_PIECES="a b" names the pieces of vLLM's core extension; TRAIN_DIRS="a b" the two parts of
-# what `kimi-rl train` adds (scripts/gpu_bundle.sh: train_a, train_b).
+# what `kimi-rl train` adds (scripts/gpu_bundle.sh: train_a, train_b). PIECES=DIR instead: the
+# bundle's pieces (scripts/gpu_bundle.sh: p1/piece.0, p2/piece.1, ...) gathered in DIR, unpacked
+# to /tmp/kimi-bundle, which then gives all three (and the SmolLM2 GGUF).
 set -u
 OUT_DIR=${1:-bench_results/gpu}
 WHEELS=${2:-.gpu/wheels}
+if [ -n "${PIECES:-}" ]; then
+    bundle=/tmp/kimi-bundle
+    [ -d "$bundle/wheels" ] || { mkdir -p "$bundle" && cat "$PIECES"/piece.* | tar xf - -C "$bundle"; } || exit 1
+    WHEELS=$bundle/wheels C_PIECES="$bundle/cpart_a/C.so.gz.aa $bundle/cpart_b/C.so.gz.ab"
+    TRAIN_DIRS="$bundle/train_a $bundle/train_b"
+fi
 STAGES=${STAGES:-tests,bench,trainer,vllm,check}
 SITE=${SITE:-/tmp/kimi-site}
 mkdir -p "$OUT_DIR" "$SITE"

@@ -20,6 +20,8 @@ PARITY=${PARITY:-true}
 PY=${PY:-python3}
 mkdir -p "$OUT_DIR" "$MODELS"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# FlashInfer is not carried: stock vLLM's sampler (parity off) must not probe it
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The overrides that place the run on the card (OVERRIDES replaces them, e.g. to try the script on a CPU)
 OVERRIDES=${OVERRIDES:-"ray.gpus_per_actor=0.5 rollout.gpu_memory_utilization=0.3 model.dtype=bf16"}
