@@ -211,7 +211,10 @@ def _linear_fixed_order(
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, k_splits: int = 1) -> torch.Tensor:
     """The GEMM's summation order in plain PyTorch, for tests: per K-slice s (k_splits equal
     slices) acc_s = fma(x[:, k], w[:, k], acc_s) in fp32 over the slice's k in order from +0,
-    then ((acc_0 + acc_1) + acc_2) + ... in fp32, rounded once to x's dtype.
+    then ((acc_0 + acc_1) + acc_2) + ... in fp32, rounded once to x's dtype. A bf16 weight has
+    the pair order (parity/csrc/gemm.cpp): the slice's k in pairs (k, k + 1), k + 1 first, an odd
+    slice's last k paired with a zero, operands below 2^-126 read as zero and results that are
+    below it after rounding flushed to zero (VDPBF16PS's DAZ and FTZ).
 
     torch has no fp32 FMA, so each step is emulated exactly in fp64: the product of two fp32
     values is exact in fp64; the sum is rounded to odd (round to nearest, then, if inexact and
@@ -220,21 +223,38 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, k_splits: int = 1) -
     """
     rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).double()
     w = weight.double()
+    pairs = weight.dtype == torch.bfloat16
+    if pairs:
+        rows, w = _below_normal_to_zero(rows), _below_normal_to_zero(w)
     width = rows.shape[1] // k_splits
     total = None
     for s in range(k_splits):
+        start, end = s * width, (s + 1) * width
+        order = [k for j in range(start, end, 2) for k in (j + 1, j)] if pairs else range(start, end)
         acc = torch.zeros(rows.shape[0], w.shape[0], dtype=torch.float64)
-        for k in range(s * width, (s + 1) * width):
-            p = rows[:, k : k + 1] * w[:, k]
+        for k in order:
+            p = rows[:, k : k + 1] * w[:, k] if k < end else torch.zeros_like(acc)  # k == end: the pad
             t = p + acc
             b = t - p
             err = (p - (t - b)) + (acc - b)
             even = (t.view(torch.int64) & 1) == 0
             toward = torch.where(err > 0, math.inf, -math.inf).double()
             t = torch.where((err != 0) & even, torch.nextafter(t, toward), t)
-            acc = t.float().double()
+            acc = _round_flushed(t) if pairs else t.float().double()
         total = acc.float() if total is None else total + acc.float()
     return total.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def _below_normal_to_zero(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v.abs() < 2.0**-126, torch.copysign(torch.zeros_like(v), v), v)
+
+
+def _round_flushed(t: torch.Tensor) -> torch.Tensor:
+    """A round-to-odd fp64 sum rounded to fp32 as under FTZ: near 2^-126 it is rounded scaled by
+    2^64 (24 bits, an unbounded exponent), and a result below 2^-126 then is a signed zero."""
+    small = t.abs() < 2.0**-100
+    r = torch.where(small, (t * 2.0**64).float().double() * 2.0**-64, t.float().double())
+    return _below_normal_to_zero(torch.where(r == 0, t, r))
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -504,10 +524,10 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 def kernel_info() -> dict[str, object]:
     """What computes this process's log-probs: the compiled kernels' code path (KIMI_RL_ISA),
-    torch's own (ATEN_CPU_CAPABILITY) and whether the invariant kernels are on
-    (KIMI_RL_INVARIANT_KERNELS), for reports and metrics."""
-    return {"isa": native.isa(), "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "invariant_kernels": INVARIANT}
+    whether its bf16 GEMMs run VDPBF16PS, torch's own path (ATEN_CPU_CAPABILITY) and whether the
+    invariant kernels are on (KIMI_RL_INVARIANT_KERNELS), for reports and metrics."""
+    return {"isa": native.isa(), "bf16_dot": native.bf16_dot(),
+            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(), "invariant_kernels": INVARIANT}
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,11 @@ Built with torch's extension machinery on first use (or ahead of time by scripts
 `python -m parity.native`), into a directory named by the sources' hash inside the virtualenv
 (`<venv>/kimi-rl-ext/`; `parity/csrc/build/` outside a venv), never the home directory, so a
 fresh machine builds from the repository's own files and an edit to a source rebuilds. One
-portable build: the kernels pick AVX-512, AVX2 or scalar code at run time, and every choice
-computes the same bits (parity/csrc/gemm.cpp, elementwise.cpp and sampling.cpp say why).
+portable build: the kernels pick AVX-512 (with or without the bf16 dot product), AVX2 or scalar
+code at run time, and every choice computes the same bits (parity/csrc/gemm.cpp,
+elementwise.cpp and sampling.cpp say why).
 
-The code path is the process's choice: `KIMI_RL_ISA=avx512|avx2|scalar` pins it (read when the
+The code path is the process's choice: `KIMI_RL_ISA=avx512_bf16|avx512|avx2|scalar` pins it (read when the
 library loads; a path this CPU cannot run is refused with a one-line error), else the fastest
 path of the CPU runs. `set_isa` changes it later and exports it to child processes (vLLM's
 engine and workers, Ray actors). Whatever torch still computes itself follows torch's own
@@ -75,9 +76,9 @@ def _build():
     return torch.ops.kimi_parity
 
 
-ISAS = ("avx512", "avx2", "scalar")
+ISAS = ("avx512_bf16", "avx512", "avx2", "scalar")
 # torch's name for the same vector width (ATEN_CPU_CAPABILITY); its scalar path is "default".
-_ATEN_CAPABILITY = {"avx512": "avx512", "avx2": "avx2", "scalar": "default"}
+_ATEN_CAPABILITY = {"avx512_bf16": "avx512", "avx512": "avx512", "avx2": "avx2", "scalar": "default"}
 
 
 def _check_isa(name: str, source: str) -> None:
@@ -93,8 +94,16 @@ def check_isa_environment() -> None:
 
 
 def isa() -> str:
-    """The code path the compiled kernels run in this process: avx512, avx2 or scalar."""
+    """The code path the compiled kernels run in this process: avx512_bf16, avx512, avx2 or scalar."""
     return ops().isa()
+
+
+def bf16_dot() -> str:
+    """What the CPU's VDPBF16PS does here (parity/csrc/gemm.cpp): "on: ..." when it passed the
+    start-up self-test and beat the same order in fp32 FMAs (avx512_bf16 is then the default
+    path), else why not; and whether this process's path runs it."""
+    status = ops().bf16_dot_status()
+    return status if isa() == "avx512_bf16" else f"not used on code path {isa()} ({status})"
 
 
 def cpu_isas() -> list[str]:

@@ -130,7 +130,7 @@ def add_parity_commands(subparsers) -> None:
         " both sides compute with it",
     )
     check.add_argument(
-        "--rollout-isa", choices=["avx512", "avx2", "scalar"], default=None,
+        "--rollout-isa", choices=["avx512_bf16", "avx512", "avx2", "scalar"], default=None,
         help="run the rollout's compiled kernels on this code path, the trainer's on KIMI_RL_ISA's"
         " (or the CPU's best): the bits must not change",
     )

@@ -214,23 +214,28 @@ def bench_gemm(n: int, k: int, dtype: torch.dtype, threads: int, repeats: int) -
     """The parity GEMM with its weight packed once (as the engines run it: kernels.pack, then
     linear(packed=)) against MKL/oneDNN through F.linear, at M = GEMM_ROWS, interleaved batch by
     batch so that both see the same machine; the best batch of each counts (on a shared machine
-    the median mostly measures neighbours), the median is recorded too."""
+    the median mostly measures neighbours), the median is recorded too. On a CPU with
+    AVX512-BF16 a bf16 GEMM is also timed on the other of the two paths that compute its order,
+    VDPBF16PS (avx512_bf16) and fp32 FMAs (avx512)."""
     import torch.nn.functional as F
 
-    from parity import kernels
+    from parity import kernels, native
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g).to(dtype)
     packed = kernels.pack(w)
     rows = []
+    other = {"avx512_bf16": "avx512", "avx512": "avx512_bf16"}.get(native.isa())
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     with torch.no_grad():
         for m in GEMM_ROWS:
             x = torch.randn(m, k, generator=g).to(dtype)
             calls = max(3, 4096 // m)
-            times: dict[str, list[float]] = {"mkl": [], "parity": []}
-            fns = (("mkl", F.linear), ("parity", lambda x, w: kernels.linear(x, w, packed=packed)))
+            fns = [("mkl", F.linear), ("parity", lambda x, w: kernels.linear(x, w, packed=packed))]
+            if dtype == torch.bfloat16 and other in native.cpu_isas():
+                fns.append(("parity_other", lambda x, w, isa=other: native.ops().gemm_on(x, packed, n, isa, 1, True).to(dtype)))
+            times: dict[str, list[float]] = {name: [] for name, _ in fns}
             for _ in range(repeats + 1):
                 for name, fn in fns:
                     t = time.perf_counter()
@@ -243,7 +248,9 @@ def bench_gemm(n: int, k: int, dtype: torch.dtype, threads: int, repeats: int) -
             rows.append({"m": m, "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."), "threads": threads,
                          "mkl_gflops": best["mkl"], "parity_gflops": best["parity"],
                          "ratio": best["parity"] / best["mkl"], "median_ratio": median["parity"] / median["mkl"],
-                         "weight": "prepacked", "target": 0.7})
+                         "weight": "prepacked", "target": 0.7, "isa": native.isa(),
+                         **({"other_isa": other, "parity_other_gflops": best["parity_other"]}
+                            if "parity_other" in best else {})})
     torch.set_num_threads(before)
     return rows
 
@@ -253,11 +260,13 @@ def print_gemm(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="parity GEMM vs MKL (F.linear), GFLOP/s")
-    for col in ("M", "N x K", "dtype", "threads", "MKL", "parity", "parity / MKL", "target"):
+    for col in ("M", "N x K", "dtype", "threads", "MKL", "parity", "parity / MKL", "target", "path",
+                "other path"):
         table.add_column(col, justify="right")
     for r in rows:
+        fma = f"{r['other_isa']}: {r['parity_other_gflops']:.1f}" if "other_isa" in r else "-"
         table.add_row(str(r["m"]), f"{r['n']} x {r['k']}", r["dtype"], str(r["threads"]), f"{r['mkl_gflops']:.1f}",
-                      f"{r['parity_gflops']:.1f}", f"{r['ratio']:.2f}", f">= {r['target']:.1f}")
+                      f"{r['parity_gflops']:.1f}", f"{r['ratio']:.2f}", f">= {r['target']:.1f}", r["isa"], fma)
     Console().print(table)
 
 

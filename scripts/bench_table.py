@@ -38,7 +38,11 @@ def _run_rows(path: Path) -> list[str]:
                         f"{r['stock']:.3f} | {r['parity']:.3f} | {r['slowdown']:.2f}× | ≤ {r['target']:.2f}× | "
                         f"{r['repeats']} |")
         for g in run["gemm"]:
-            rows.append(f"{head} GEMM {g['dtype']} | GFLOP/s vs MKL, M = {g['m']}, weight {g['weight']} | "
+            # Runs since the bf16 pair order name the path, and time the other avx512 one too.
+            path = f" on {g['isa']}" if "isa" in g else ""
+            if "other_isa" in g:
+                path += f" ({g['other_isa']}: {g['parity_other_gflops']:.1f})"
+            rows.append(f"{head} GEMM {g['dtype']} | GFLOP/s vs MKL, M = {g['m']}, weight {g['weight']}{path} | "
                         f"{g['n']} x {g['k']}, {g['threads']} thr | {g['mkl_gflops']:.1f} | {g['parity_gflops']:.1f} | "
                         f"{g['ratio']:.2f} of MKL | ≥ {g['target']:.1f} | best |")
     except KeyError as e:

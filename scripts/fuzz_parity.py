@@ -231,12 +231,14 @@ def draw_trial(rng: random.Random, index: int, archs: list[str]) -> Trial:
 
 def draw_conditions(trial: Trial, seed: int, isas: list[str], draw_sampling: bool) -> Trial:
     """The trial's code paths (two different ones of `isas`, when it has two) and sampling
-    parameters, from a generator of their own: the shape stream of a seed stays what it was
-    without these flags, so old rows reproduce."""
-    rng = random.Random(f"conditions:{seed}:{trial.index}")
+    parameters, each from a generator of its own: the shape stream of a seed stays what it was
+    without these flags, so old rows reproduce, and the sampling drawn does not depend on how
+    many code paths the CPU has. (Rows recorded before avx512_bf16 joined drew the sampling
+    after the code paths, from one generator.)"""
     if len(isas) > 1:
-        trial.rollout_isa, trial.trainer_isa = rng.sample(isas, 2)
+        trial.rollout_isa, trial.trainer_isa = random.Random(f"conditions:{seed}:{trial.index}").sample(isas, 2)
     if draw_sampling:
+        rng = random.Random(f"sampling:{seed}:{trial.index}")
         trial.temperature = round(rng.uniform(0.5, 1.3), 2)
         trial.top_p = rng.choice([1.0, round(rng.uniform(0.7, 0.99), 2)])
         trial.top_k = rng.choice([0, rng.randint(1, 64)])

@@ -115,7 +115,7 @@ using UnaryFn = void (*)(const float*, float*, int64_t);
 
 template <int OP>
 UnaryFn unary_for(const std::string& isa) {
-  return isa == "avx512" ? &unary_avx512<OP> : isa == "avx2" ? &unary_avx2<OP> : &unary_scalar<OP>;
+  return kimi_parity::avx512_kernels(isa) ? &unary_avx512<OP> : isa == "avx2" ? &unary_avx2<OP> : &unary_scalar<OP>;
 }
 
 // fn(x) element-wise in fp32 on the `isa` code path -> fp32, x's shape (bf16 input is widened).
@@ -152,7 +152,7 @@ at::Tensor row_sum_on(const at::Tensor& x_in, const std::string& isa) {
   const int64_t out_rows = out.numel();
   if (out_rows == 0) return out;
   if (n == 0) return out.zero_();
-  auto f = isa == "avx512" ? &row_sum_avx512 : isa == "avx2" ? &row_sum_avx2 : &row_sum_scalar;
+  auto f = kimi_parity::avx512_kernels(isa) ? &row_sum_avx512 : isa == "avx2" ? &row_sum_avx2 : &row_sum_scalar;
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / n);

@@ -186,7 +186,7 @@ KP_ISA_LOOPS(sample_rows,
 template <typename Fn>
 Fn pick(const std::string& isa, Fn avx512, Fn avx2, Fn scalar) {
   TORCH_CHECK(cpu_has(isa), "kimi_parity: this CPU cannot run the ", isa, " kernels");
-  return isa == "avx512" ? avx512 : isa == "avx2" ? avx2 : scalar;
+  return kimi_parity::avx512_kernels(isa) ? avx512 : isa == "avx2" ? avx2 : scalar;
 }
 
 at::Tensor rows_fp32(const at::Tensor& x, const char* op) {

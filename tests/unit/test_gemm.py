@@ -5,6 +5,10 @@ equals a pure-PyTorch statement of the order. Equality is torch.equal, never a t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -44,16 +48,65 @@ def test_every_code_path_equals_the_scalar_reference(m, n, k, dtype, splits, see
 
 @settings(max_examples=15, deadline=None)
 @given(m=st.integers(1, 40), n=st.integers(1, 300), k=st.integers(1, 300), seed=st.integers(0, 2**16))
-def test_a_bf16_weight_is_packed_in_bf16_and_computes_the_fp32_pack_bits(m, n, k, seed):
-    """The pack keeps the weight's dtype (bf16: as many bytes as the weight, half an fp32
-    pack), holds the same values as the pack of the weight widened to fp32, and every code path
-    gives the fp32 pack's bits from it (bf16 -> fp32 widening is exact)."""
-    x, w = _randn(seed, m, k, dtype=torch.bfloat16), _randn(seed + 1, n, k, dtype=torch.bfloat16)
-    packed, wide = ops().pack(w), ops().pack(w.float())
-    assert packed.dtype == torch.bfloat16 and wide.dtype == torch.float32
-    assert packed.numel() == wide.numel() and torch.equal(packed.float(), wide)
+def test_a_bf16_weight_is_packed_in_bf16_pairs(m, n, k, seed):
+    """The pack of a bf16 weight keeps its dtype and bytes (K padded to even), the pairs of k
+    interleaved per column; an fp32 input with it runs the same pair order on every path."""
+    w = _randn(seed + 1, n, k, dtype=torch.bfloat16)
+    packed = ops().pack(w)
+    panels, kp = -(-n // 16), k + k % 2
+    assert packed.dtype == torch.bfloat16 and packed.shape == (panels, kp, 16)
+    unpacked = packed.view(panels, kp // 2, 16, 2).permute(0, 2, 1, 3).reshape(panels * 16, kp)
+    assert torch.equal(unpacked[:n, :k], w) and not unpacked[n:].any() and not unpacked[:, k:].any()
+    x = _randn(seed, m, k) * 3  # fp32 values that bf16 cannot hold
+    reference = ops().gemm_reference(x, w, 1)
     for isa in ops().isas():
-        assert torch.equal(ops().gemm_on(x, packed, n, isa, 1, True), ops().gemm_on(x, wide, n, isa, 1, True)), isa
+        assert torch.equal(ops().gemm_on(x, packed, n, isa, 1, True), reference), isa
+
+
+def _bf16(values: list[float]) -> torch.Tensor:
+    """bf16 values from their fp32 bits' high halves (torch's fp32 -> bf16 conversion flushes
+    denormals on CPUs with AVX512-BF16)."""
+    out = (torch.tensor(values, dtype=torch.float32).view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    assert out.float().tolist() == values  # every value is a bf16 (denormals included)
+    return out
+
+
+def test_bf16_pair_order_rounds_like_the_instruction():
+    """x = (2^-75, 1): column c computes fma(2^-75, w0, fma(1, w1, 0)) (the odd k first), with
+    denormal operands read as zero and results tiny after rounding flushed. The first sum,
+    2^-126 - 1.5 * 2^-151, rounds to 2^-126 as a denormal but to 2^-126 - 2^-150 (tiny: flushed)
+    with an unbounded exponent, as MXCSR.FTZ and VDPBF16PS round it; even first, or without the
+    flushes, the results differ."""
+    cases = [  # (w1, w0, the result)
+        (2.0**-126, -1.5 * 2.0**-76, 0.0), (2.0**-126, -1.5 * 2.0**-75, 0.0), (-(2.0**-126), 1.5 * 2.0**-76, -0.0),
+        (2.0**-126, -(2.0**-52), 0.0), (2.0**-125, -1.5 * 2.0**-51, 0.0), (-0.0, 0.0, 0.0),
+        (2.0**-126, 2.0**-130, 2.0**-126), (2.0**-130, -0.0, 0.0), (-(2.0**-130), 2.0**-40, 2.0**-115),
+        (2.0**-126, -(2.0**-51), 0.0), (1.0, 2.0**-60, 1.0), (2.0**-100, -(2.0**-25), 0.0),
+    ]
+    w = torch.stack([_bf16([w0, w1]) for w1, w0, _ in cases])
+    x = _bf16([2.0**-75, 1.0]).view(1, 2)
+    expected = torch.tensor([[r for _, _, r in cases]])
+    for xx in (x, x.float()):
+        assert torch.equal(ops().gemm_reference(xx, w, 1), expected)
+        assert torch.equal(kernels.linear_reference(xx.float(), w).float(), expected)
+        for isa in ops().isas():
+            assert torch.equal(ops().gemm_on(xx, ops().pack(w), len(cases), isa, 1, True), expected), isa
+
+
+def test_the_instruction_computes_the_order_where_the_cpu_has_it():
+    """On a CPU with AVX512-BF16, VDPBF16PS passed the start-up self-test against the pair order
+    in fp32 FMAs (so the avx512_bf16 path runs it), and a process's default path is avx512_bf16
+    exactly when the instruction was also the faster at start-up."""
+    status = ops().bf16_dot_status()
+    if "avx512_bf16" not in ops().isas():
+        assert status.startswith("not on this CPU"), status
+        return
+    assert status.startswith(("on: ", "exact but slower here")), status
+    env = {k: v for k, v in os.environ.items() if k != "KIMI_RL_ISA"}
+    code = "from parity import native; print(native.isa()); print(native.bf16_dot())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    default, dot = out.stdout.strip().splitlines()[-2:]
+    assert default == ("avx512_bf16" if dot.startswith("on: ") else "avx512"), (default, dot)
 
 
 @settings(max_examples=20, deadline=None)
@@ -141,7 +194,8 @@ def test_bmm_entries_are_independent_gemms(e, m, n, k, dtype, seed, pick, thread
     torch.bmm failed this on an AVX-512 EPYC (1 or 3 entries against 2)."""
     a, b = _randn(seed, e, m, k, dtype=dtype), _randn(seed + 1, e, k, n, dtype=dtype)
     i = pick % e
-    reference = ops().gemm_reference(a[i], b[i].t().contiguous(), 1) if k else torch.zeros(m, n)
+    # bf16 operands are widened: bmm runs the fp32 chain (the pair order is the bf16 weights')
+    reference = ops().gemm_reference(a[i], b[i].t().float().contiguous(), 1) if k else torch.zeros(m, n)
     for isa in ops().isas():
         for count in (1, 2):
             threads(count)

@@ -298,7 +298,7 @@ def test_the_isa_switch_changes_the_path_not_the_bits():
             assert torch.equal(sample_tokens(got[1], keys, positions), tokens), isa
     finally:
         native.set_isa(before)
-    with pytest.raises(ValueError, match="isa must be one of avx512, avx2, scalar, got 'sse'"):
+    with pytest.raises(ValueError, match="isa must be one of avx512_bf16, avx512, avx2, scalar, got 'sse'"):
         native.set_isa("sse")
 
 
@@ -311,7 +311,7 @@ def test_a_bad_kimi_rl_isa_is_one_line(value):
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1] == (
-        f"kimi-rl: error: KIMI_RL_ISA must be one of avx512, avx2, scalar, got '{value}'")
+        f"kimi-rl: error: KIMI_RL_ISA must be one of avx512_bf16, avx512, avx2, scalar, got '{value}'")
     env["KIMI_RL_ISA"] = "scalar"
     good = subprocess.run([sys.executable, "-c", "from parity import native; print(native.isa())"],
                           env=env, capture_output=True, text=True, timeout=120)
