@@ -82,6 +82,22 @@ inline float widen(Bf16 v) {
 // out: MR rows at stride ldo, `cols` (1 .. NP * 16) valid columns, stored (add = false) or added
 // to what out holds (add = true: out = out + acc, one fp32 add, the next K-slice's partial).
 
+// Writes an MR x NP block of accumulators (`cols` valid columns at stride ldo), or adds it to
+// what `out` holds (add = true: the next K-slice's partial, one fp32 add).
+template <int MR, int NP>
+__attribute__((target("avx512f"))) inline void store_block(const __m512 (&acc)[MR][NP], float* out, int64_t ldo,
+                                                           int64_t cols, bool add) {
+  for (int p = 0; p < NP; ++p) {
+    const int64_t c = std::min<int64_t>(kPanel, cols - p * kPanel);
+    const __mmask16 mask = static_cast<__mmask16>((1u << c) - 1u);
+    for (int r = 0; r < MR; ++r) {
+      float* dst = out + r * ldo + p * kPanel;
+      const __m512 v = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), acc[r][p]) : acc[r][p];
+      _mm512_mask_storeu_ps(dst, mask, v);
+    }
+  }
+}
+
 template <int MR, int NP>
 __attribute__((target("avx512f,fma"))) void block_avx512(
     const void* x_in, int64_t lda, int64_t K, const void* panels_in, int64_t pstride, float* out,
@@ -99,15 +115,7 @@ __attribute__((target("avx512f,fma"))) void block_avx512(
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_fmadd_ps(a, w[p], acc[r][p]);
     }
   }
-  for (int p = 0; p < NP; ++p) {
-    const int64_t c = std::min<int64_t>(kPanel, cols - p * kPanel);
-    const __mmask16 mask = static_cast<__mmask16>((1u << c) - 1u);
-    for (int r = 0; r < MR; ++r) {
-      float* dst = out + r * ldo + p * kPanel;
-      const __m512 v = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), acc[r][p]) : acc[r][p];
-      _mm512_mask_storeu_ps(dst, mask, v);
-    }
-  }
+  store_block(acc, out, ldo, cols, add);
 }
 
 // Writes `cols` finished sums, or adds them to what `out` holds (the next K-slice's partial).
@@ -192,15 +200,7 @@ __attribute__((target("avx512f,avx512bf16"))) void pairs_dp(
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], a, w[p]);
     }
   }
-  for (int p = 0; p < NP; ++p) {  // VDPBF16PS ignores MXCSR; this add runs in the default one
-    const int64_t c = std::min<int64_t>(kPanel, cols - p * kPanel);
-    const __mmask16 mask = static_cast<__mmask16>((1u << c) - 1u);
-    for (int r = 0; r < MR; ++r) {
-      float* dst = out + r * ldo + p * kPanel;
-      const __m512 v = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), acc[r][p]) : acc[r][p];
-      _mm512_mask_storeu_ps(dst, mask, v);
-    }
-  }
+  store_block(acc, out, ldo, cols, add);  // VDPBF16PS ignores MXCSR: the add is in the default mode
 }
 
 template <int MR, int NP>
@@ -222,15 +222,7 @@ __attribute__((target("avx512f,fma"))) void pairs_avx512(
   }
   const unsigned csr = _mm_getcsr();
   if (add) _mm_setcsr(0x1f80u);  // the next slice's add rounds in the default mode, as a TP sum does
-  for (int p = 0; p < NP; ++p) {
-    const int64_t c = std::min<int64_t>(kPanel, cols - p * kPanel);
-    const __mmask16 mask = static_cast<__mmask16>((1u << c) - 1u);
-    for (int r = 0; r < MR; ++r) {
-      float* dst = out + r * ldo + p * kPanel;
-      const __m512 v = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), acc[r][p]) : acc[r][p];
-      _mm512_mask_storeu_ps(dst, mask, v);
-    }
-  }
+  store_block(acc, out, ldo, cols, add);
   if (add) _mm_setcsr(csr);
 }
 
