@@ -20,8 +20,10 @@ polynomial exp and log, correctly rounded IEEE steps only, one code path for eve
 row sums (a 16-lane accumulator with one fixed combine tree, RMSNorm's mean of squares among
 them). Attention walks the keys in blocks of `KV_BLOCK` positions from position 0, so a query at
 position t always sees the same blocks with the same values, whatever else is in the batch,
-and each block's products run on the compiled `bmm`. The rollout reads the blocks out of vLLM's
-paged cache in place (`paged_attention`); training runs the same walk over contiguous keys.
+and the whole walk is compiled (parity/csrc/attention.cpp: its products are the `bmm`'s FMA
+chains, its exp and row sums the element-wise kernels'). The rollout reads the blocks out of
+vLLM's paged cache in place (`paged_attention`); training runs the same walk over contiguous
+keys.
 The vocabulary log-softmax and the sampler after it are compiled too (parity/csrc/sampling.cpp,
 parity/sampling.py): the rollout samples with them instead of vLLM's sampler.
 
@@ -365,6 +367,16 @@ def _paged_attention_forward(
     q: torch.Tensor, kv_cache: torch.Tensor, ctx_slots: torch.Tensor, q_seq: torch.Tensor,
     q_pos: torch.Tensor, scale: float,
 ) -> torch.Tensor:
+    out = native.ops().paged_attention(q, kv_cache, ctx_slots, q_seq, q_pos, scale)
+    return out.to(q.dtype)
+
+
+def _paged_attention_walk(
+    q: torch.Tensor, kv_cache: torch.Tensor, ctx_slots: torch.Tensor, q_seq: torch.Tensor,
+    q_pos: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """The walk the compiled `paged_attention` runs (parity/csrc/attention.cpp), written with
+    the parity ops: its readable statement, and the tests' reference for its bits."""
     nq, hq, d = q.shape
     hkv = kv_cache.shape[2]
     g = hq // hkv

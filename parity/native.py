@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemm.cpp", "elementwise.cpp", "sampling.cpp", "rope.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemm.cpp", "elementwise.cpp", "sampling.cpp", "rope.cpp", "attention.cpp")]
 # Hashed with the sources, not compiled.
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("isa.h", "fixed_math.h")]
 # -ffp-contract=off: no implicit fused multiply-adds; the kernels' FMAs are all explicit.

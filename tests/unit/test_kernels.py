@@ -180,6 +180,50 @@ def test_paged_attention_equals_contiguous(device, lens, hkv, group, d, dtype, s
     assert torch.equal(decode, contiguous[rows])
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 200), min_size=1, max_size=4), hkv=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 2, 5]), d=st.integers(1, 80), dtype=DTYPES, seed=st.integers(0, 2**16),
+    scale=st.sampled_from([None, 0.3, 1.0]),
+)
+def test_compiled_attention_walk_is_the_python_walk_on_every_path(lens, hkv, group, d, dtype, seed, scale):
+    """parity/csrc/attention.cpp computes `_paged_attention_walk` operation for operation: the
+    same bits on every code path this CPU has, whatever the garbage in unattended slots."""
+    from parity import native
+
+    r, length = len(lens), max(lens)
+    g = torch.Generator().manual_seed(seed)
+    num_slots = r * length + 30
+    cache = _randn(seed, num_slots, 2, hkv, d, dtype=dtype) * 4
+    cache[torch.randperm(num_slots, generator=g)[:30]] = float("nan")  # unused slots
+    slots = torch.randperm(num_slots, generator=g)[: r * length].view(r, length)
+    used = torch.zeros(num_slots, dtype=torch.bool)
+    used[slots.reshape(-1)] = True
+    cache[used] = _randn(seed + 1, int(used.sum()), 2, hkv, d, dtype=dtype) * 4
+    ctx_slots = torch.where(torch.arange(length) < torch.tensor(lens).unsqueeze(1), slots, 0)
+    nq = int(torch.randint(1, 40, (1,), generator=g))
+    q_seq = torch.randint(0, r, (nq,), generator=g)
+    q_pos = (torch.rand(nq, generator=g) * torch.tensor(lens)[q_seq]).long()
+    q = _randn(seed + 2, nq, hkv * group, d, dtype=dtype) * 2
+    scale = kernels.attention_scale(d) if scale is None else scale
+    walk = kernels._paged_attention_walk(q, cache, ctx_slots, q_seq, q_pos, scale)
+    for isa in native.ops().isas():
+        out = native.ops().paged_attention_on(q, cache, ctx_slots, q_seq, q_pos, scale, isa).to(dtype)
+        assert torch.equal(out, walk), isa
+
+
+def test_compiled_attention_refuses_positions_outside_the_context():
+    from parity import native
+
+    cache = torch.zeros(8, 2, 1, 4)
+    slots = torch.arange(8).view(2, 4)
+    q = torch.zeros(1, 1, 4)
+    with pytest.raises(RuntimeError, match="outside ctx_slots"):
+        native.ops().paged_attention(q, cache, slots, torch.tensor([0]), torch.tensor([4]), 0.5)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        native.ops().paged_attention(q, cache, slots + 1, torch.tensor([1]), torch.tensor([3]), 0.5)
+
+
 def test_attention_matches_dense_reference_and_has_gradients():
     q = _randn(0, 90, 4, 32).requires_grad_()
     k = _randn(1, 1, 90, 2, 32).requires_grad_()
