@@ -15,7 +15,9 @@
 #                                              (83 MiB), in two halves: each fits one 64 MiB
 #                                              transfer on its own, not next to the wheels
 #   OUT_DIR/train_a, OUT_DIR/train_b           what `kimi-rl train` adds (Ray in two halves,
-#                                              wandb, reasoning-gym, gguf and their needs)
+#                                              wandb, reasoning-gym, gguf and their needs; a
+#                                              need the index has as an sdist only: built here
+#                                              when pure Python, else its sdist, built there)
 #   OUT_DIR/p1 .. OUT_DIR/p6                   all of it and the SmolLM2 GGUF, one tar in
 #                                              59 MiB pieces: one transfer each
 set -euo pipefail
@@ -26,6 +28,9 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
       --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
+# Fresh dependency folders: a wheel left from an earlier run (another version of the same
+# package) makes the install on the machine refuse both.
+rm -rf "$OUT_DIR/wheels/vdeps" "$OUT_DIR/train_wheels" "$OUT_DIR/train_sdists"
 mkdir -p "$OUT_DIR/wheels/vdeps" "$OUT_DIR/vllm" "$OUT_DIR/cpart_a" "$OUT_DIR/cpart_b"
 $PY -m pip download -q --no-deps "${PLAT[@]}" -d "$OUT_DIR/wheels" megatron-core==0.16.1
 $PY -m pip download -q --no-deps "${PLAT[@]}" -d "$OUT_DIR/vllm" vllm==0.24.0
@@ -61,6 +66,27 @@ def requirements(whl):
 def have(dest):
     return {cn(re.split(r"-\d", w.split("/")[-1])[0]): w for w in glob.glob(f"{dest}/*.whl")}
 
+def from_source(spec, dest):
+    """A requirement the index has as an sdist only: a pure-Python one is built into a wheel
+    here; one with compiled code travels as its sdist (OUT_DIR/train_sdists), built on the GPU
+    machine by scripts/gpu_check.sh."""
+    tmp = f"{out}/.sdist"
+    shutil.rmtree(tmp, ignore_errors=True)
+    pip = [sys.executable, "-m", "pip"]
+    if subprocess.run([*pip, "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", tmp, spec],
+                      capture_output=True).returncode:
+        return False
+    sdist = glob.glob(f"{tmp}/*")[0]
+    built = subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp, sdist],
+                           capture_output=True).returncode == 0
+    wheels = glob.glob(f"{tmp}/*-none-any.whl") if built else []
+    keep, into = (wheels[0], dest) if wheels else (sdist, f"{out}/train_sdists")
+    os.makedirs(into, exist_ok=True)
+    shutil.move(keep, into)
+    print("from source:", os.path.basename(keep))
+    shutil.rmtree(tmp)
+    return True
+
 def resolve(todo, dest):
     """Download the requirements in `todo`, and theirs, that the machine lacks, into dest."""
     wanted = set()
@@ -77,7 +103,8 @@ def resolve(todo, dest):
             done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *plat,
                                    "-d", dest, spec], capture_output=True, text=True)
             if done.returncode:
-                print("not found:", spec)
+                if not from_source(spec, dest):
+                    print("not found:", spec)
                 continue
             todo += requirements(have(dest)[cn(Requirement(spec).name)])
     return wanted
@@ -100,7 +127,8 @@ for part, piece in zip(parts, (blob[: len(blob) // 2], blob[len(blob) // 2 :])):
     os.makedirs(part)
     open(f"{part}/{os.path.basename(ray)}.part{parts.index(part)}", "wb").write(piece)
 sizes = [len(blob) // 2, len(blob) - len(blob) // 2]
-for w in sorted(set(glob.glob(f"{tdeps}/*.whl")) - {ray}, key=os.path.getsize, reverse=True):
+rest = set(glob.glob(f"{tdeps}/*.whl") + glob.glob(f"{out}/train_sdists/*")) - {ray}
+for w in sorted(rest, key=os.path.getsize, reverse=True):
     i = sizes.index(min(sizes))
     shutil.copy(w, parts[i])
     sizes[i] += os.path.getsize(w)

@@ -49,13 +49,13 @@ t0=$SECONDS
 if [ ! -f "$SITE/.installed" ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
         "$WHEELS"/megatron_core-*.whl "$WHEELS"/vdeps/*.whl >"$OUT_DIR/install.log" 2>&1 \
-        || { echo "pip install failed"; tail "$OUT_DIR/install.log"; }
+        && installed=1 || { echo "pip install failed"; tail "$OUT_DIR/install.log"; }
     for z in "$WHEELS"/vllm-*.zip "$WHEELS"/vllm-*.whl; do
         [ -f "$z" ] && $PY -m zipfile -e "$z" "$SITE"
     done
     # kimi-rl's vLLM plugin entry point, so vLLM's engine processes register the parity models
     cp -r "$WHEELS"/kimi_rl-*.dist-info "$SITE"/ 2>/dev/null
-    touch "$SITE/.installed"
+    [ -n "${installed:-}" ] && touch "$SITE/.installed"  # a failed install is retried next call
 fi
 if [ -n "${C_PIECES:-}" ] && [ ! -f "$SITE/vllm/_C_stable_libtorch.abi3.so" ]; then
     # vLLM's core CUDA extension, carried in pieces (scripts/gpu_bundle.sh); it replaces the
@@ -67,8 +67,9 @@ if [ -n "${TRAIN_DIRS:-}" ] && [ ! -f "$SITE/.train-installed" ]; then
     parts=$(find $TRAIN_DIRS -name 'ray-*.whl.part*' | awk -F.part '{print $NF, $0}' | sort -n | cut -d' ' -f2-)
     ray="/tmp/$(basename "$(echo "$parts" | head -1)" .part0)"
     cat $parts >"$ray"
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$ray" \
-        $(find $TRAIN_DIRS -name '*.whl') >"$OUT_DIR/install-train.log" 2>&1 \
+    # the sdists are needs with compiled code and no cp312 wheel on the index (pycosat)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target "$SITE" \
+        "$ray" $(find $TRAIN_DIRS -name '*.whl' -o -name '*.tar.gz') >"$OUT_DIR/install-train.log" 2>&1 \
         && touch "$SITE/.train-installed" || { echo "pip install (train) failed"; tail "$OUT_DIR/install-train.log"; }
 fi
 echo "== install: $((SECONDS - t0)) s"
