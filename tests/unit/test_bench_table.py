@@ -43,6 +43,6 @@ def test_bad_files_are_named(tmp_path):
     with pytest.raises(SystemExit, match="benchmarks.md: the bench_table markers are missing"):
         regenerate(page, runs)
     page.write_text(f"{START}\n{END}\n")
-    (runs / "broken.json").write_text(json.dumps({k: v for k, v in RUN.items() if k != "threads"}))
-    with pytest.raises(SystemExit, match=r"broken.json: missing field 'threads'"):
+    (runs / "parity-broken.json").write_text(json.dumps({k: v for k, v in RUN.items() if k != "threads"}))
+    with pytest.raises(SystemExit, match=r"parity-broken.json: missing field 'threads'"):
         regenerate(page, runs)
