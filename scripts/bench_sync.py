@@ -228,7 +228,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "model": str(path), "dtype": dtype_name, "threads": torch.get_num_threads(), "commit": commit,
+        "model": path.name, "dtype": dtype_name, "threads": torch.get_num_threads(), "commit": commit,
         # The machine's 1-minute load average before and after: numbers taken on a busy machine are noisy.
         "loadavg_1m": [load_before[0], os.getloadavg()[0]], "cpus": os.cpu_count(),
         "adapter": results, "full_weights": full,
