@@ -28,6 +28,7 @@
 #include "fixed_math.h"
 #include "isa.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -40,35 +41,40 @@ using namespace kimi_parity::fixed;
 
 constexpr int64_t kBlock = 64;  // parity.kernels.KV_BLOCK
 
-KP_INLINE float exp_canonical(float x) {
-  const float y = exp_fixed(x);
-  return y == y ? y : from_bits(0x7fc00000u);
-}
-
-KP_INLINE float widen_bf16(uint16_t v) { return from_bits(static_cast<uint32_t>(v) << 16); }
-
-// One query's g heads that share KV head `h`: q [g][D] fp32, out [g][D] fp32 (unnormalised
-// accumulators divided at the end). kv: the cache's element type, [S][2][hkv][D].
-// Scratch: kb [D][64], vb [64][D], s [g][64], pv [D], m/denom [g].
+// One (query, KV head) task's inputs and fp32 scratch: the g query heads that share KV head
+// `h`, q [g][D], out [g][D] (accumulators, divided at the end); the cache [S][2][hkv][D] in its
+// element type; the query's sequence's slots and its position. Scratch: kb [D][64], vb [64][D],
+// s [g][64], pv [D], m and denom [g].
 template <typename T>
-KP_INLINE void attend_body(const float* q, int64_t g, int64_t d, const T* kv, int64_t hkv, int64_t h,
-                           const int64_t* slots, int64_t pos, float scale, float* out, float* kb, float* vb,
-                           float* s, float* pv, float* m, float* denom) {
+struct Task {
+  const float* q;
+  float* out;
+  const T* kv;
+  const int64_t* slots;
+  int64_t g, d, hkv, h, pos;
+  float scale;
+  float *kb, *vb, *s, *pv, *m, *denom;
+};
+
+template <typename T>
+KP_INLINE void attend_body(const Task<T>& t) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t g = t.g, d = t.d;
+  float *kb = t.kb, *vb = t.vb, *out = t.out;
   for (int64_t i = 0; i < g; ++i) {
-    m[i] = neg_inf;
-    denom[i] = 0.0f;
+    t.m[i] = neg_inf;
+    t.denom[i] = 0.0f;
     for (int64_t e = 0; e < d; ++e) out[i * d + e] = 0.0f;
   }
-  const int64_t slot_stride = 2 * hkv * d;
-  for (int64_t start = 0; start <= pos; start += kBlock) {
-    const int64_t valid = std::min<int64_t>(kBlock, pos - start + 1);  // keys start .. pos
+  const int64_t slot_stride = 2 * t.hkv * d;
+  for (int64_t start = 0; start <= t.pos; start += kBlock) {
+    const int64_t valid = std::min<int64_t>(kBlock, t.pos - start + 1);  // keys start .. pos
     // The block's keys transposed to [D][64] and values [64][D], widened to fp32 (exact);
     // masked keys and values are zero (the walk replaces them, never multiplies garbage).
     for (int64_t b = 0; b < kBlock; ++b) {
       if (b < valid) {
-        const T* key = kv + slots[start + b] * slot_stride + h * d;
-        const T* value = key + hkv * d;
+        const T* key = t.kv + t.slots[start + b] * slot_stride + t.h * d;
+        const T* value = key + t.hkv * d;
         for (int64_t e = 0; e < d; ++e) {
           if constexpr (sizeof(T) == 2) {
             kb[e * kBlock + b] = widen_bf16(key[e]);
@@ -86,64 +92,47 @@ KP_INLINE void attend_body(const float* q, int64_t g, int64_t d, const T* kv, in
       }
     }
     for (int64_t i = 0; i < g; ++i) {
-      float* si = s + i * kBlock;
+      float* si = t.s + i * kBlock;
       for (int64_t b = 0; b < kBlock; ++b) si[b] = 0.0f;
       for (int64_t e = 0; e < d; ++e) {
-        const float qe = q[i * d + e];
+        const float qe = t.q[i * d + e];
         for (int64_t b = 0; b < kBlock; ++b) si[b] = __builtin_fmaf(qe, kb[e * kBlock + b], si[b]);
       }
       float block_max = neg_inf;
       for (int64_t b = 0; b < kBlock; ++b) {
-        si[b] = b < valid ? si[b] * scale : neg_inf;
+        si[b] = b < valid ? si[b] * t.scale : neg_inf;
         block_max = si[b] > block_max ? si[b] : block_max;
       }
-      const float m_new = m[i] > block_max ? m[i] : block_max;
-      const float c = exp_canonical(m[i] - m_new);
-      for (int64_t b = 0; b < kBlock; ++b) si[b] = exp_canonical(si[b] - m_new);
-      denom[i] = denom[i] * c + row_sum_body(si, kBlock);
-      for (int64_t e = 0; e < d; ++e) pv[e] = 0.0f;
+      const float m_new = t.m[i] > block_max ? t.m[i] : block_max;
+      const float c = one_nan(exp_fixed(t.m[i] - m_new));
+      for (int64_t b = 0; b < kBlock; ++b) si[b] = one_nan(exp_fixed(si[b] - m_new));
+      t.denom[i] = t.denom[i] * c + row_sum_body(si, kBlock);
+      for (int64_t e = 0; e < d; ++e) t.pv[e] = 0.0f;
       for (int64_t b = 0; b < kBlock; ++b) {
         const float pb = si[b];
-        for (int64_t e = 0; e < d; ++e) pv[e] = __builtin_fmaf(pb, vb[b * d + e], pv[e]);
+        for (int64_t e = 0; e < d; ++e) t.pv[e] = __builtin_fmaf(pb, vb[b * d + e], t.pv[e]);
       }
       float* oi = out + i * d;
-      for (int64_t e = 0; e < d; ++e) oi[e] = oi[e] * c + pv[e];
-      m[i] = m_new;
+      for (int64_t e = 0; e < d; ++e) oi[e] = oi[e] * c + t.pv[e];
+      t.m[i] = m_new;
     }
   }
   for (int64_t i = 0; i < g; ++i)
-    for (int64_t e = 0; e < d; ++e) out[i * d + e] = out[i * d + e] / denom[i];
+    for (int64_t e = 0; e < d; ++e) out[i * d + e] = out[i * d + e] / t.denom[i];
 }
-
-template <typename T>
-using AttendFn = void (*)(const float*, int64_t, int64_t, const T*, int64_t, int64_t, const int64_t*, int64_t,
-                          float, float*, float*, float*, float*, float*, float*, float*);
 
 // One loop body per ISA; only the vector width the compiler may use differs, never the bits.
 template <typename T>
-__attribute__((target("avx512f,fma"))) void attend_avx512(const float* q, int64_t g, int64_t d, const T* kv,
-                                                          int64_t hkv, int64_t h, const int64_t* slots, int64_t pos,
-                                                          float scale, float* out, float* kb, float* vb, float* s,
-                                                          float* pv, float* m, float* denom) {
-  attend_body(q, g, d, kv, hkv, h, slots, pos, scale, out, kb, vb, s, pv, m, denom);
-}
+__attribute__((target("avx512f,fma"))) void attend_avx512(const Task<T>& t) { attend_body(t); }
 
 template <typename T>
-__attribute__((target("avx2,fma"))) void attend_avx2(const float* q, int64_t g, int64_t d, const T* kv, int64_t hkv,
-                                                     int64_t h, const int64_t* slots, int64_t pos, float scale,
-                                                     float* out, float* kb, float* vb, float* s, float* pv, float* m,
-                                                     float* denom) {
-  attend_body(q, g, d, kv, hkv, h, slots, pos, scale, out, kb, vb, s, pv, m, denom);
-}
+__attribute__((target("avx2,fma"))) void attend_avx2(const Task<T>& t) { attend_body(t); }
 
 template <typename T>
-__attribute__((optimize("no-tree-vectorize"))) void attend_scalar(const float* q, int64_t g, int64_t d, const T* kv,
-                                                                  int64_t hkv, int64_t h, const int64_t* slots,
-                                                                  int64_t pos, float scale, float* out, float* kb,
-                                                                  float* vb, float* s, float* pv, float* m,
-                                                                  float* denom) {
-  attend_body(q, g, d, kv, hkv, h, slots, pos, scale, out, kb, vb, s, pv, m, denom);
-}
+__attribute__((optimize("no-tree-vectorize"))) void attend_scalar(const Task<T>& t) { attend_body(t); }
+
+template <typename T>
+using AttendFn = void (*)(const Task<T>&);
 
 template <typename T>
 AttendFn<T> attend_for(const std::string& isa) {
@@ -165,17 +154,24 @@ void run(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slot
   at::parallel_for(0, nq * hkv, 1, [&](int64_t begin, int64_t end) {
     const DefaultFpEnv env;
     std::vector<float> scratch(2 * d * kBlock + g * kBlock + d + 2 * g);
-    float* kb = scratch.data();
-    float* vb = kb + d * kBlock;
-    float* s = vb + d * kBlock;
-    float* pv = s + g * kBlock;
-    float* m = pv + d;
-    float* denom = m + g;
+    Task<T> t{};
+    t.kv = kv;
+    t.g = g, t.d = d, t.hkv = hkv, t.scale = scale;
+    t.kb = scratch.data();
+    t.vb = t.kb + d * kBlock;
+    t.s = t.vb + d * kBlock;
+    t.pv = t.s + g * kBlock;
+    t.m = t.pv + d;
+    t.denom = t.m + g;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / hkv, h = item % hkv;
-      const int64_t offset = (i * hq + h * g) * d;  // heads h*g .. h*g+g-1 of query i
-      attend(qp + offset, g, d, kv, hkv, h, sp + seq[i] * length, pos[i], scale, op + offset, kb, vb, s, pv, m,
-             denom);
+      const int64_t i = item / hkv;
+      t.h = item % hkv;
+      const int64_t offset = (i * hq + t.h * g) * d;  // heads h*g .. h*g+g-1 of query i
+      t.q = qp + offset;
+      t.out = op + offset;
+      t.slots = sp + seq[i] * length;
+      t.pos = pos[i];
+      attend(t);
     }
   });
 }
@@ -204,12 +200,14 @@ at::Tensor paged_attention_on(const at::Tensor& q_in, const at::Tensor& kv_in, c
               "kimi_parity: q_seq and q_pos need one entry per query");
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.numel() == 0) return out;
-  TORCH_CHECK(q_pos.min().item<int64_t>() >= 0 && q_pos.max().item<int64_t>() < slots.size(1) &&
-                  q_seq.min().item<int64_t>() >= 0 && q_seq.max().item<int64_t>() < slots.size(0),
+  // Memory safety: every slot the walk may read is inside the cache (one pass over each index).
+  const auto within = [](const at::Tensor& t, int64_t size) {
+    const auto* p = t.data_ptr<int64_t>();
+    return std::all_of(p, p + t.numel(), [size](int64_t v) { return v >= 0 && v < size; });
+  };
+  TORCH_CHECK(within(q_pos, slots.size(1)) && within(q_seq, slots.size(0)),
               "kimi_parity: a query's sequence or position is outside ctx_slots ", slots.sizes());
-  const int64_t num_slots = kv.size(0);
-  TORCH_CHECK(slots.numel() == 0 || (slots.min().item<int64_t>() >= 0 && slots.max().item<int64_t>() < num_slots),
-              "kimi_parity: ctx_slots names a slot outside the cache's ", num_slots);
+  TORCH_CHECK(within(slots, kv.size(0)), "kimi_parity: ctx_slots names a slot outside the cache's ", kv.size(0));
   // The Python walk multiplied an fp32 tensor by the Python float: torch rounds the scalar to
   // fp32 first.
   const float sc = static_cast<float>(scale);

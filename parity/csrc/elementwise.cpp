@@ -63,13 +63,10 @@ KP_INLINE float math(float x) {
   }
 }
 
-// Every NaN result leaves as the one canonical quiet NaN: IEEE-754 leaves a NaN's sign and
-// payload to the implementation, and the vector and scalar instruction sequences pick
-// differently (measured: -NaN from the vector loops, +NaN from the scalar one).
+// Every NaN result leaves as the one canonical quiet NaN (fixed_math.h, one_nan).
 template <int OP>
 KP_INLINE float apply(float x) {
-  const float y = math<OP>(x);
-  return y == y ? y : from_bits(0x7fc00000u);
+  return one_nan(math<OP>(x));
 }
 
 // One loop per ISA. The bodies are the same always-inlined code; only the vector width the

@@ -27,6 +27,14 @@ KP_INLINE uint32_t to_bits(float f) {
   return u;
 }
 
+// A bf16 value widened to fp32, exactly (its 16 bits become the high half of the fp32 word).
+KP_INLINE float widen_bf16(uint16_t v) { return from_bits(static_cast<uint32_t>(v) << 16); }
+
+// y, or the one canonical quiet NaN when y is a NaN: IEEE-754 leaves a NaN's sign and payload
+// to the implementation, and the vector and scalar instruction sequences pick differently
+// (measured: -NaN from the vector loops, +NaN from the scalar one).
+KP_INLINE float one_nan(float y) { return y == y ? y : from_bits(0x7fc00000u); }
+
 // exp(x): x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2 (Cody-Waite: ln2 split in a
 // 9-bit head, so n * head is exact, and a tail); exp(r) by the degree-7 Cephes polynomial;
 // times 2^n as two exact powers of two (so n down to -150 reaches the subnormals).
@@ -96,7 +104,7 @@ KP_INLINE float row_sum_body(const float* x, int64_t n) {
   for (int l = 0; i + l < n; ++l) acc[l] = acc[l] + x[i + l];
   for (int width = kLanes / 2; width >= 1; width /= 2)
     for (int l = 0; l < width; ++l) acc[l] = acc[l] + acc[l + width];
-  return acc[0] == acc[0] ? acc[0] : from_bits(0x7fc00000u);  // one NaN, as for apply()
+  return one_nan(acc[0]);
 }
 
 // Row max in the row sum's order (lane i % 16, then the same tree), `a > b ? a : b` at every

@@ -64,17 +64,8 @@ constexpr int kMaxRows = 8;      // rows per register block, at most
 constexpr int kMaxPanels = 2;    // panels per register block, at most
 constexpr int64_t kChunkBlocks = 12;  // register blocks of rows per cache-blocking task
 
-// ---------------------------------------------------------------------------------------------
-// A bf16 value widened to fp32, exactly (its 16 bits become the high half of the fp32 word).
-
 using Bf16 = uint16_t;
-
-inline float widen(Bf16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using kimi_parity::fixed::widen_bf16;  // a bf16 value widened to fp32, exactly
 
 // ---------------------------------------------------------------------------------------------
 // Micro-kernels: MR rows x NP consecutive 16-column panels, k = 0..K-1 in order.
@@ -287,7 +278,7 @@ void pairs_scalar(const void* x_in, int64_t lda, int64_t K, const void* panels_i
       float acc = 0.0f;
       for (int64_t k = 0; k < K; k += 2) {
         const Bf16* w = panels + k * kPanel + 2 * c;
-        acc = pair_step(acc, x[r * lda + k], widen(w[0]), x[r * lda + k + 1], widen(w[1]));
+        acc = pair_step(acc, x[r * lda + k], widen_bf16(w[0]), x[r * lda + k + 1], widen_bf16(w[1]));
       }
       out[r * ldo + c] = add ? out[r * ldo + c] + acc : acc;
     }
@@ -461,7 +452,7 @@ std::string dp_self_test() {
         w[c * K + 0] = bits(boundary[c][1]);
       }
     }
-    for (int64_t i = 0; i < 8 * K; ++i) xf[i] = widen(x[i]);
+    for (int64_t i = 0; i < 8 * K; ++i) xf[i] = widen_bf16(x[i]);
     const at::Tensor packed = pack_pairs(at::from_blob(w.data(), {kPanel, K}, at::kBFloat16));
     const void* pp = packed.data_ptr();
     pairs_dp<8, 1>(x.data(), K, K, pp, K * kPanel, a.data(), kPanel, kPanel, false);
@@ -488,7 +479,7 @@ std::pair<double, double> dp_and_fma_speed() {
       state ^= state << 13; state ^= state >> 7; state ^= state << 17;
       v[i] = static_cast<Bf16>(((state >> 40) & 0x8000u) | ((124 + state % 8) << 7) | (state & 0x7fu));
     }
-  for (int64_t i = 0; i < 8 * K; ++i) xf[i] = widen(x[i]);
+  for (int64_t i = 0; i < 8 * K; ++i) xf[i] = widen_bf16(x[i]);
   const at::Tensor packed = pack_pairs(at::from_blob(w.data(), {2 * kPanel, K}, at::kBFloat16));
   const void* pp = packed.data_ptr();
   double best[2] = {1e30, 1e30};
