@@ -77,8 +77,8 @@ def test_smollm2_values(model_dir: Path) -> None:
     cfg = load_config(CONFIGS / "smollm2_arith.yaml", [f"model.path={model_dir}"])
     assert (cfg.model.dtype, cfg.total_steps, cfg.rollout.max_tokens) == ("bf16", 30, 48)
     assert (cfg.data.source, cfg.data.task, cfg.reward.type) == (
-        "reasoning_gym", "basic_arithmetic", "reasoning_gym")
-    assert cfg.data.chat_template and cfg.trainer.lr == 5e-4
+        "reasoning_gym", "basic_arithmetic", "number")
+    assert cfg.data.chat_template and cfg.trainer.lr == 1e-4
     assert cfg.data.task_kwargs["max_digits"] == 2
 
 
