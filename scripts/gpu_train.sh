@@ -9,7 +9,10 @@
 # steps), then, when the SmolLM2 GGUF is at $SMOLLM2_GGUF, GRPO + LoRA on SmolLM2-135M-Instruct
 # (configs/smollm2_arith.yaml) for STEPS steps, resumed from its last checkpoint when OUT_DIR
 # already holds one (a run in chunks). PARITY=false runs the same with parity off.
-# PACK=file.tgz archives OUT_DIR's metrics, curves and logs.
+# PACK=file.tgz archives OUT_DIR's metrics, curves and logs; with it, the SmolLM2 run's latest
+# checkpoint goes beside it in 15 MiB pieces (file.tgz.ckpt.aa, ...: a machine gives back files
+# of 16 MiB at most), and RESTORE=DIR unpacks such pieces into OUT_DIR before the run, so a run
+# in chunks survives the machine being given back between sessions.
 set -u
 OUT_DIR=${1:?usage: gpu_train.sh OUT_DIR}
 SITE=${SITE:-/tmp/kimi-site}
@@ -19,6 +22,9 @@ STEPS=${STEPS:-100}
 PARITY=${PARITY:-true}
 PY=${PY:-python3}
 mkdir -p "$OUT_DIR" "$MODELS"
+if [ -n "${RESTORE:-}" ] && [ ! -d "$OUT_DIR/smollm2-$PARITY/checkpoints" ]; then
+    cat "$RESTORE"/*.ckpt.* | tar xzf - -C "$OUT_DIR" || { echo "RESTORE: cannot unpack $RESTORE"; exit 1; }
+fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # FlashInfer is not carried: stock vLLM's sampler (parity off) must not probe it
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
@@ -53,4 +59,14 @@ echo "== total $SECONDS s"
 if [ -n "${PACK:-}" ]; then
     tar czf "$PACK" -C "$(dirname "$OUT_DIR")" --exclude=checkpoints --exclude=ray --exclude=wandb \
         "$(basename "$OUT_DIR")"
+    dir="smollm2-$PARITY"
+    if [ -f "$OUT_DIR/$dir/checkpoints/latest" ]; then
+        # The run's records and its latest checkpoint alone: what --resume reads
+        last=$(cat "$OUT_DIR/$dir/checkpoints/latest")
+        older=()
+        for step in "$OUT_DIR/$dir"/checkpoints/step_*; do
+            [ "$(basename "$step")" = "$last" ] || older+=("--exclude=$dir/checkpoints/$(basename "$step")")
+        done
+        tar czf - -C "$OUT_DIR" --exclude=ray --exclude=wandb "${older[@]}" "$dir" | split -b 15M - "$PACK.ckpt."
+    fi
 fi
