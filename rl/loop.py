@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -513,7 +514,9 @@ def prepare_run_dir(cfg: Config, console) -> tuple[Path, dict | None]:
         raise UserError(f"run_dir: {run_dir} already holds a run; continue it with "
                         f"--resume {run_dir}, or choose another run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+    # A resume runs in the checkpoint's run dir, whatever run_dir the config file names
+    written = dataclasses.replace(cfg, run_dir=str(run_dir))
+    (run_dir / "config.yaml").write_text(dump_config(written), encoding="utf-8")
     return run_dir, resumed
 
 

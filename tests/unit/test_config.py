@@ -442,3 +442,21 @@ def test_kimi_architectures_checks(tmp_path, architecture) -> None:
         cfg_path.write_text(head + body)
         message = error(cfg_path)
         assert message.startswith(f"{cfg_path}:{line}: {phrase}"), message
+
+
+def test_a_resume_records_the_run_dir_it_runs_in(model_dir: Path, tmp_path: Path) -> None:
+    """`train x.yaml --resume DIR` keeps x.yaml's run_dir in the config but runs in DIR: the
+    config.yaml written there names DIR."""
+    from rich.console import Console
+
+    from rl.loop import prepare_run_dir
+    from tests.unit.test_checkpoint import Tensors
+    from trainer.checkpoint import save_checkpoint
+
+    run = tmp_path / "elsewhere"
+    save_checkpoint(run, 3, Tensors(seed=3), extra={})
+    cfg = load_config(CONFIGS / "quickstart.yaml", [f"model.path={model_dir}", f"checkpoint.resume_from={run}"])
+    assert Path(cfg.run_dir) != run
+    run_dir, resumed = prepare_run_dir(cfg, Console(quiet=True))
+    assert (run_dir, resumed["step"]) == (run, 3)
+    assert load_config(run / "config.yaml", [f"model.path={model_dir}"]).run_dir == str(run)
