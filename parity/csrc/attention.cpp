@@ -4,13 +4,13 @@
 //
 // It computes what parity/kernels.py's `_paged_attention_walk` computes, operation for
 // operation, so the bits are the same (tests/unit/test_kernels.py checks torch.equal on every
-// code path): per (query, KV head), per block,
-//   scores[h, b] = fl(dot(q[h], k[b]) * scale)   dot: one FMA chain over d = 0..D-1 from +0.0f
-//                                                 (the compiled bmm's order); masked: -inf
-//   m_new = max(m, max_b scores[h, b]);  c = exp(m - m_new);  p[h, b] = exp(scores[h, b] - m_new)
-//   denom[h] = fl(denom[h] * c) + row_sum(p[h])    row_sum: the fixed 16-lane tree
-//   acc[h, e] = fl(acc[h, e] * c) + pv[h, e]       pv: one FMA chain over b = 0..63 from +0.0f,
-//                                                 a masked key's value read as 0
+// code path): per (query, query head), per block,
+//   scores[b] = fl(dot(q, k[b]) * scale)   dot: one FMA chain over d = 0..D-1 from +0.0f
+//                                           (the compiled bmm's order); masked: -inf
+//   m_new = max(m, max_b scores[b]);  c = exp(m - m_new);  p[b] = exp(scores[b] - m_new)
+//   denom = fl(denom * c) + row_sum(p)      row_sum: the fixed 16-lane tree
+//   acc[e] = fl(acc[e] * c) + pv[e]         pv: one FMA chain over b = 0..63 from +0.0f,
+//                                           a masked key's value read as 0
 // and finally out = acc / denom. exp is fixed_math.h's, with the one canonical NaN. Every step
 // is one correctly rounded IEEE-754 operation or an explicit FMA (-ffp-contract=off), so the
 // AVX-512, AVX2 and scalar loops below give the same bits; a query's bits depend on its own
@@ -18,12 +18,24 @@
 // The Python walk drove this from Python, a dozen torch calls per block and layer: that
 // overhead, not the arithmetic, was most of a small model's rollout step.
 //
+// One task per (run, KV head): a run is up to kRun consecutive queries of one sequence (equal
+// q_seq; a prefill's queries come so, a decode step's are runs of one). The task gathers each
+// block once, transposed and widened to fp32, up to the run's furthest position, and every query
+// of the run at or past the block's start takes its step from that copy; with a task per
+// (query, KV head), a prefill gathered every block again for every query. A query's step is the
+// same whichever run it is in and wherever in it: its scores past its own position are replaced
+// by -inf and its values there read from a row of zeros, never the keys a later query of the
+// run sees. The two FMA-chain loops of a step are written per ISA (Chains*), their 64 chains in
+// registers; everything else is one loop body for all three paths.
+//
 // Registered as torch.ops.kimi_parity.{paged_attention, paged_attention_on}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include "fixed_math.h"
 #include "isa.h"
@@ -40,96 +52,218 @@ namespace {
 using namespace kimi_parity::fixed;
 
 constexpr int64_t kBlock = 64;  // parity.kernels.KV_BLOCK
+// Queries per run (the queries a block's gather serves). On a 4 x 256-token prefill (9 query
+// heads over 3 KV heads, D 64, one thread) the walk took 22.6 ms with runs of 1 (a task per
+// query), 9.1 ms with 16, 8.5 with 32, 8.2 with 64: longer runs gain little, and leave fewer
+// tasks for the threads (a 256-token prompt is 8 runs of 32 per KV head).
+constexpr int64_t kRun = 32;
+// pv's FMA chains run kChunk value elements at a time, in registers (4 zmm or 8 ymm); vb's
+// rows are padded to a multiple of it.
+constexpr int64_t kChunk = 64;
+int64_t padded(int64_t d) { return (d + kChunk - 1) / kChunk * kChunk; }
 
-// One (query, KV head) task's inputs and fp32 scratch: the g query heads that share KV head
-// `h`, q [g][D], out [g][D] (accumulators, divided at the end); the cache [S][2][hkv][D] in its
-// element type; the query's sequence's slots and its position. Scratch: kb [D][64], vb [64][D],
-// s [g][64], pv [D], m and denom [g].
+// One query head's part of a block step: its q row [D], its output row (the accumulators,
+// divided at the end), its m and denom, and how many of the block's keys it sees.
+struct Head {
+  const float* q;
+  float* out;
+  float* m;
+  float* denom;
+  int64_t valid;
+};
+
+// One (run, KV head) task's inputs and fp32 scratch. The run: n queries of one sequence, query j
+// at position pos[j], its g query heads that share KV head `h` at q + j * stride [g][D], its
+// outputs at out + j * stride; the cache [S][2][hkv][D] in its element type; the sequence's
+// slots. Scratch: kb [D][64], vb [64][dp] and a row of zeros [dp] (dp = padded(D); the pad
+// lanes stay zero), s [64], pv [kChunk], m and denom [kRun][g].
 template <typename T>
 struct Task {
   const float* q;
   float* out;
   const T* kv;
   const int64_t* slots;
-  int64_t g, d, hkv, h, pos;
+  const int64_t* pos;
+  int64_t n, stride, g, d, hkv, h;
   float scale;
-  float *kb, *vb, *s, *pv, *m, *denom;
+  float *kb, *vb, *zero, *s, *pv, *m, *denom;
 };
 
-template <typename T>
+// The largest of a block's 64 scores as the walk's running `s > max ? s : max` from -inf finds
+// it, NaNs skipped. The value does not depend on the order, so row_max_body's vector order finds
+// it; only which zero survives of +0.0 / -0.0 does, so a zero maximum is looked up in order.
+KP_INLINE float block_max_of(const float* s) {
+  float block_max = row_max_body(s, kBlock);
+  if (block_max == 0.0f) {
+    block_max = -std::numeric_limits<float>::infinity();
+    for (int64_t b = 0; b < kBlock; ++b) block_max = s[b] > block_max ? s[b] : block_max;
+  }
+  return block_max;
+}
+
+// A block step's two sets of 64 FMA chains, one implementation per ISA. The dot products:
+// out[b] = the chain over e = 0..d-1 from +0.0f of q[e] * kb[e][b]. The value products:
+// out[l] = the chain over b = 0..63 from +0.0f of p[b] * row_b[l], l = 0..63, where row_b is
+// vb's row b (at the caller's column offset) for b < valid and the zero row past it. A lane is
+// one chain, so the vector width never changes a bit. The vector ones keep the 64 chains in
+// registers (4 zmm or 8 ymm) over the chain's loop: through memory, every FMA waited on the
+// store and the load of the one before it (and the compiler's own vectorisation of the loops
+// kept them in registers or not as the code around them changed).
+struct ChainsAvx512 {
+  __attribute__((target("avx512f,fma"))) static void dot(const float* q, const float* kb, int64_t d, float* out) {
+    __m512 acc[4];
+    for (int v = 0; v < 4; ++v) acc[v] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < d; ++e) {
+      const __m512 qe = _mm512_set1_ps(q[e]);
+      for (int v = 0; v < 4; ++v) acc[v] = _mm512_fmadd_ps(qe, _mm512_loadu_ps(kb + e * kBlock + 16 * v), acc[v]);
+    }
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + 16 * v, acc[v]);
+  }
+  __attribute__((target("avx512f,fma"))) static void pv(const float* p, const float* vb, const float* zero,
+                                                        int64_t valid, int64_t dp, float* out) {
+    __m512 acc[4];
+    for (int v = 0; v < 4; ++v) acc[v] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kBlock; ++b) {
+      const __m512 pb = _mm512_set1_ps(p[b]);
+      const float* row = b < valid ? vb + b * dp : zero;
+      for (int v = 0; v < 4; ++v) acc[v] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(row + 16 * v), acc[v]);
+    }
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + 16 * v, acc[v]);
+  }
+};
+
+struct ChainsAvx2 {
+  __attribute__((target("avx2,fma"))) static void dot(const float* q, const float* kb, int64_t d, float* out) {
+    __m256 acc[8];
+    for (int v = 0; v < 8; ++v) acc[v] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; ++e) {
+      const __m256 qe = _mm256_set1_ps(q[e]);
+      for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(kb + e * kBlock + 8 * v), acc[v]);
+    }
+    for (int v = 0; v < 8; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
+  }
+  __attribute__((target("avx2,fma"))) static void pv(const float* p, const float* vb, const float* zero,
+                                                     int64_t valid, int64_t dp, float* out) {
+    __m256 acc[8];
+    for (int v = 0; v < 8; ++v) acc[v] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kBlock; ++b) {
+      const __m256 pb = _mm256_set1_ps(p[b]);
+      const float* row = b < valid ? vb + b * dp : zero;
+      for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(row + 8 * v), acc[v]);
+    }
+    for (int v = 0; v < 8; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
+  }
+};
+
+struct ChainsScalar {  // std::fmaf (the libm call where the CPU has no FMA), through memory
+  __attribute__((optimize("no-tree-vectorize"))) static void dot(const float* q, const float* kb, int64_t d,
+                                                                 float* out) {
+    for (int64_t b = 0; b < kBlock; ++b) out[b] = 0.0f;
+    for (int64_t e = 0; e < d; ++e)
+      for (int64_t b = 0; b < kBlock; ++b) out[b] = __builtin_fmaf(q[e], kb[e * kBlock + b], out[b]);
+  }
+  __attribute__((optimize("no-tree-vectorize"))) static void pv(const float* p, const float* vb, const float* zero,
+                                                                int64_t valid, int64_t dp, float* out) {
+    for (int64_t l = 0; l < kChunk; ++l) out[l] = 0.0f;
+    for (int64_t b = 0; b < kBlock; ++b) {
+      const float* row = b < valid ? vb + b * dp : zero;
+      for (int64_t l = 0; l < kChunk; ++l) out[l] = __builtin_fmaf(p[b], row[l], out[l]);
+    }
+  }
+};
+
+// One query head's block step (see the header) over the gathered kb [D][64], vb [64][dp]; s
+// [64] and pv [64] are scratch.
+template <typename Chains>
+KP_INLINE void step(const Head& h, const float* kb, const float* vb, const float* zero, float* s, float* pv, int64_t d,
+                    float scale) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t dp = padded(d);
+  Chains::dot(h.q, kb, d, s);
+  for (int64_t b = 0; b < kBlock; ++b) s[b] = b < h.valid ? s[b] * scale : neg_inf;
+  const float block_max = block_max_of(s);
+  const float m_new = *h.m > block_max ? *h.m : block_max;
+  const float c = one_nan(exp_fixed(*h.m - m_new));
+  for (int64_t b = 0; b < kBlock; ++b) s[b] = one_nan(exp_fixed(s[b] - m_new));
+  *h.denom = *h.denom * c + row_sum_body(s, kBlock);
+  *h.m = m_new;
+  // kChunk value elements at a time (the pad lanes computed and dropped). A masked key's value
+  // is read as 0, as the walk's masked_fill leaves it: the FMA by a zero p of a real value
+  // could differ (a NaN or inf value, or -0.0 + +0.0).
+  for (int64_t e0 = 0; e0 < d; e0 += kChunk) {
+    Chains::pv(s, vb + e0, zero + e0, h.valid, dp, pv);
+    const int64_t width = std::min<int64_t>(kChunk, d - e0);
+    for (int64_t l = 0; l < width; ++l) h.out[e0 + l] = h.out[e0 + l] * c + pv[l];
+  }
+}
+
+template <typename T, typename Chains>
 KP_INLINE void attend_body(const Task<T>& t) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t g = t.g, d = t.d;
-  float *kb = t.kb, *vb = t.vb, *out = t.out;
-  for (int64_t i = 0; i < g; ++i) {
-    t.m[i] = neg_inf;
-    t.denom[i] = 0.0f;
-    for (int64_t e = 0; e < d; ++e) out[i * d + e] = 0.0f;
+  const int64_t g = t.g, d = t.d, n = t.n, dp = padded(d);
+  float *kb = t.kb, *vb = t.vb;
+  int64_t last = 0;  // the run's furthest position: the end of its block walk
+  for (int64_t j = 0; j < n; ++j) {
+    last = std::max(last, t.pos[j]);
+    float* oj = t.out + j * t.stride;
+    for (int64_t i = 0; i < g; ++i) {
+      t.m[j * g + i] = neg_inf;
+      t.denom[j * g + i] = 0.0f;
+      for (int64_t e = 0; e < d; ++e) oj[i * d + e] = 0.0f;
+    }
   }
   const int64_t slot_stride = 2 * t.hkv * d;
-  for (int64_t start = 0; start <= t.pos; start += kBlock) {
-    const int64_t valid = std::min<int64_t>(kBlock, t.pos - start + 1);  // keys start .. pos
-    // The block's keys transposed to [D][64] and values [64][D], widened to fp32 (exact);
-    // masked keys and values are zero (the walk replaces them, never multiplies garbage).
+  for (int64_t start = 0; start <= last; start += kBlock) {
+    const int64_t gathered = std::min<int64_t>(kBlock, last - start + 1);  // keys start .. last
+    // The block's keys transposed to [D][64] and values [64][dp], widened to fp32 (exact), once
+    // for the run. Keys past `last` are zero (their scores are replaced, but stay finite); values
+    // past a query's own position are never read from here (the zero row instead).
     for (int64_t b = 0; b < kBlock; ++b) {
-      if (b < valid) {
+      if (b < gathered) {
         const T* key = t.kv + t.slots[start + b] * slot_stride + t.h * d;
         const T* value = key + t.hkv * d;
         for (int64_t e = 0; e < d; ++e) {
           if constexpr (sizeof(T) == 2) {
             kb[e * kBlock + b] = widen_bf16(key[e]);
-            vb[b * d + e] = widen_bf16(value[e]);
+            vb[b * dp + e] = widen_bf16(value[e]);
           } else {
             kb[e * kBlock + b] = key[e];
-            vb[b * d + e] = value[e];
+            vb[b * dp + e] = value[e];
           }
         }
       } else {
-        for (int64_t e = 0; e < d; ++e) {
-          kb[e * kBlock + b] = 0.0f;
-          vb[b * d + e] = 0.0f;
-        }
+        for (int64_t e = 0; e < d; ++e) kb[e * kBlock + b] = 0.0f;
       }
     }
-    for (int64_t i = 0; i < g; ++i) {
-      float* si = t.s + i * kBlock;
-      for (int64_t b = 0; b < kBlock; ++b) si[b] = 0.0f;
-      for (int64_t e = 0; e < d; ++e) {
-        const float qe = t.q[i * d + e];
-        for (int64_t b = 0; b < kBlock; ++b) si[b] = __builtin_fmaf(qe, kb[e * kBlock + b], si[b]);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = t.pos[j];
+      if (pos < start) continue;  // a query runs the blocks 0 .. pos / 64 only
+      const int64_t valid = std::min<int64_t>(kBlock, pos - start + 1);  // keys start .. pos
+      for (int64_t i = 0; i < g; ++i) {
+        const int64_t row = j * t.stride + i * d;
+        step<Chains>(Head{t.q + row, t.out + row, t.m + j * g + i, t.denom + j * g + i, valid}, kb, vb, t.zero, t.s,
+                     t.pv, d, t.scale);
       }
-      float block_max = neg_inf;
-      for (int64_t b = 0; b < kBlock; ++b) {
-        si[b] = b < valid ? si[b] * t.scale : neg_inf;
-        block_max = si[b] > block_max ? si[b] : block_max;
-      }
-      const float m_new = t.m[i] > block_max ? t.m[i] : block_max;
-      const float c = one_nan(exp_fixed(t.m[i] - m_new));
-      for (int64_t b = 0; b < kBlock; ++b) si[b] = one_nan(exp_fixed(si[b] - m_new));
-      t.denom[i] = t.denom[i] * c + row_sum_body(si, kBlock);
-      for (int64_t e = 0; e < d; ++e) t.pv[e] = 0.0f;
-      for (int64_t b = 0; b < kBlock; ++b) {
-        const float pb = si[b];
-        for (int64_t e = 0; e < d; ++e) t.pv[e] = __builtin_fmaf(pb, vb[b * d + e], t.pv[e]);
-      }
-      float* oi = out + i * d;
-      for (int64_t e = 0; e < d; ++e) oi[e] = oi[e] * c + t.pv[e];
-      t.m[i] = m_new;
     }
   }
-  for (int64_t i = 0; i < g; ++i)
-    for (int64_t e = 0; e < d; ++e) out[i * d + e] = out[i * d + e] / t.denom[i];
+  for (int64_t j = 0; j < n; ++j) {
+    float* oj = t.out + j * t.stride;
+    for (int64_t i = 0; i < g; ++i)
+      for (int64_t e = 0; e < d; ++e) oj[i * d + e] = oj[i * d + e] / t.denom[j * g + i];
+  }
 }
 
-// One loop body per ISA; only the vector width the compiler may use differs, never the bits.
+// One loop body per ISA, with its chains; only the vector width differs, never the bits.
 template <typename T>
-__attribute__((target("avx512f,fma"))) void attend_avx512(const Task<T>& t) { attend_body(t); }
+__attribute__((target("avx512f,fma"))) void attend_avx512(const Task<T>& t) { attend_body<T, ChainsAvx512>(t); }
 
 template <typename T>
-__attribute__((target("avx2,fma"))) void attend_avx2(const Task<T>& t) { attend_body(t); }
+__attribute__((target("avx2,fma"))) void attend_avx2(const Task<T>& t) { attend_body<T, ChainsAvx2>(t); }
 
 template <typename T>
-__attribute__((optimize("no-tree-vectorize"))) void attend_scalar(const Task<T>& t) { attend_body(t); }
+__attribute__((optimize("no-tree-vectorize"))) void attend_scalar(const Task<T>& t) {
+  attend_body<T, ChainsScalar>(t);
+}
 
 template <typename T>
 using AttendFn = void (*)(const Task<T>&);
@@ -151,26 +285,36 @@ void run(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slot
   const int64_t* pos = q_pos.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const AttendFn<T> attend = attend_for<T>(isa);
-  at::parallel_for(0, nq * hkv, 1, [&](int64_t begin, int64_t end) {
+  // The runs: consecutive queries of one sequence, at most kRun each; runs[r] .. runs[r + 1].
+  std::vector<int64_t> runs;
+  for (int64_t i = 0; i < nq; ++i)
+    if (i == 0 || seq[i] != seq[i - 1] || i - runs.back() == kRun) runs.push_back(i);
+  runs.push_back(nq);
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
+  at::parallel_for(0, num_runs * hkv, 1, [&](int64_t begin, int64_t end) {
     const DefaultFpEnv env;
-    std::vector<float> scratch(2 * d * kBlock + g * kBlock + d + 2 * g);
+    const int64_t dp = padded(d);
+    std::vector<float> scratch(d * kBlock + kBlock * dp + dp + kBlock + kChunk + 2 * kRun * g);  // zeros
     Task<T> t{};
     t.kv = kv;
+    t.stride = hq * d;
     t.g = g, t.d = d, t.hkv = hkv, t.scale = scale;
     t.kb = scratch.data();
     t.vb = t.kb + d * kBlock;
-    t.s = t.vb + d * kBlock;
-    t.pv = t.s + g * kBlock;
-    t.m = t.pv + d;
-    t.denom = t.m + g;
+    t.zero = t.vb + kBlock * dp;
+    t.s = t.zero + dp;
+    t.pv = t.s + kBlock;
+    t.m = t.pv + kChunk;
+    t.denom = t.m + kRun * g;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / hkv;
+      const int64_t r = item / hkv, first = runs[r];
       t.h = item % hkv;
-      const int64_t offset = (i * hq + t.h * g) * d;  // heads h*g .. h*g+g-1 of query i
+      t.n = runs[r + 1] - first;
+      const int64_t offset = (first * hq + t.h * g) * d;  // heads h*g .. h*g+g-1 of the run's first query
       t.q = qp + offset;
       t.out = op + offset;
-      t.slots = sp + seq[i] * length;
-      t.pos = pos[i];
+      t.slots = sp + seq[first] * length;
+      t.pos = pos + first;
       attend(t);
     }
   });

@@ -212,6 +212,61 @@ def test_compiled_attention_walk_is_the_python_walk_on_every_path(lens, hkv, gro
         assert torch.equal(out, walk), isa
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (+0.0 and -0.0 apart, unlike torch.equal), NaNs at the same places."""
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0).view(ints), b.masked_fill(nan, 0).view(ints))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 200), min_size=1, max_size=3), hkv=st.sampled_from([1, 3]),
+    group=st.sampled_from([1, 3]), d=st.sampled_from([1, 17, 64, 80, 130]), dtype=DTYPES,
+    seed=st.integers(0, 2**16), inf_values=st.booleans(),
+)
+def test_compiled_attention_walk_is_the_python_walk_for_prefill_runs(lens, hkv, group, d, dtype, seed, inf_values):
+    """Queries in long runs of one sequence, as a prefill gives them (the compiled walk's tasks
+    share each block's gather among a run's queries): a chunk of consecutive positions per
+    sequence, some chunks shuffled, decode queries of other sequences between them. With an inf
+    in a value a run's later queries see, the earlier ones must still read it as nothing (a
+    zero p times inf is NaN): every query stays the Python walk's, bit for bit, on every path."""
+    from parity import native
+
+    r, length = len(lens), max(lens)
+    g = torch.Generator().manual_seed(seed)
+    num_slots = r * length + 30
+    cache = torch.full((num_slots, 2, hkv, d), float("nan"), dtype=dtype)  # unused slots
+    slots = torch.randperm(num_slots, generator=g)[: r * length].view(r, length)
+    cache[slots.reshape(-1)] = _randn(seed + 1, r * length, 2, hkv, d, dtype=dtype) * 4
+    ctx_slots = torch.where(torch.arange(length) < torch.tensor(lens).unsqueeze(1), slots, 0)
+    seqs, positions, first_inf = [], [], {}
+    for i in torch.randperm(r, generator=g).tolist():
+        n = lens[i]
+        start = int(torch.randint(0, n, (1,), generator=g)) // 2
+        chunk = torch.arange(start, n)
+        if len(chunk) > 1 and int(torch.randint(0, 3, (1,), generator=g)) == 0:
+            chunk = chunk[torch.randperm(len(chunk), generator=g)]
+        if inf_values and n - start > 1:  # inside the chunk's first run of 32
+            at = start + 1 + int(torch.randint(0, min(31, n - start - 1), (1,), generator=g))
+            cache[slots[i, at], 1, -1, d // 2] = float("inf")
+            first_inf[i] = at
+        seqs += [i] * len(chunk)
+        positions += chunk.tolist()
+        other = int(torch.randint(0, r, (1,), generator=g))  # a decode query between runs
+        seqs.append(other)
+        positions.append(int(torch.randint(0, lens[other], (1,), generator=g)))
+    q_seq, q_pos = torch.tensor(seqs), torch.tensor(positions)
+    q = _randn(seed + 2, len(seqs), hkv * group, d, dtype=dtype) * 2
+    scale = kernels.attention_scale(d)
+    walk = kernels._paged_attention_walk(q, cache, ctx_slots, q_seq, q_pos, scale)
+    before = torch.tensor([p < first_inf.get(s, length) for s, p in zip(seqs, positions, strict=True)])
+    assert walk[before].isfinite().all()
+    for isa in native.ops().isas():
+        out = native.ops().paged_attention_on(q, cache, ctx_slots, q_seq, q_pos, scale, isa).to(dtype)
+        assert _same_bits(out, walk), isa
+
+
 def test_compiled_attention_refuses_positions_outside_the_context():
     from parity import native
 
