@@ -54,13 +54,15 @@ env = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_mach
        "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix",
        "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
 
-def requirements(whl):
+def requirements(whl, extras=()):
+    """The wheel's requirements for this machine, with those of the extras asked for (vLLM's
+    mistral-common needs pydantic-extra-types[pycountry]: without the extra, no pycountry)."""
     z = zipfile.ZipFile(whl)
     md = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
     for line in z.read(md).decode().splitlines():
         if line.startswith("Requires-Dist:"):
             r = Requirement(line.split(":", 1)[1].strip())
-            if r.marker is None or r.marker.evaluate(env):
+            if r.marker is None or any(r.marker.evaluate({**env, "extra": e}) for e in ("", *extras)):
                 yield r
 
 def have(dest):
@@ -89,25 +91,27 @@ def from_source(spec, dest):
 
 def resolve(todo, dest):
     """Download the requirements in `todo`, and theirs, that the machine lacks, into dest."""
-    wanted = set()
+    wanted = set()  # (name, extras)
     while todo:
         batch = []
         for r in todo:
-            n = cn(r.name)
-            if n in present or n in skip or n in wanted:
+            n, extras = cn(r.name), tuple(sorted(r.extras))
+            if n in present or n in skip or (n, extras) in wanted:
                 continue
-            wanted.add(n)
-            batch.append(override.get(n, f"{r.name}{r.specifier}"))
+            wanted.add((n, extras))
+            batch.append((override.get(n, f"{r.name}{r.specifier}"), extras))
         todo = []
-        for spec in batch:
-            done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *plat,
-                                   "-d", dest, spec], capture_output=True, text=True)
-            if done.returncode:
-                if not from_source(spec, dest):
-                    print("not found:", spec)
-                continue
-            todo += requirements(have(dest)[cn(Requirement(spec).name)])
-    return wanted
+        for spec, extras in batch:
+            name = cn(Requirement(spec).name)
+            if name not in have(dest):  # else only an extra is new: its requirements below
+                done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *plat,
+                                       "-d", dest, spec], capture_output=True, text=True)
+                if done.returncode:
+                    if not from_source(spec, dest):
+                        print("not found:", spec)
+                    continue
+            todo += requirements(have(dest)[name], extras)
+    return {n for n, _ in wanted}
 
 todo = list(requirements(glob.glob(f"{out}/vllm/vllm-0.24.0-*.whl")[0]))
 todo.append(Requirement("apache-tvm-ffi"))  # xgrammar's, skipped above as vLLM's pin
