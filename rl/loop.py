@@ -676,7 +676,7 @@ def train_step(loop: Loop, step: int) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     group_samples, completions, env_record = rollout_step(loop, step)
-    times = {"time/rollout": time.perf_counter() - t0, "time/reward": 0.0, "time/train": 0.0}
+    times = {"time/rollout": time.perf_counter() - t0, "time/reward": 0.0, "time/score": 0.0, "time/train": 0.0}
     t0 = time.perf_counter()
     rewards, issues, record = reward_step(loop, step, group_samples, completions)
     record.update(env_record)
@@ -697,6 +697,7 @@ def train_step(loop: Loop, step: int) -> dict[str, Any]:
         batch["masks"] = [c["mask"] for c in completions]
     t0 = time.perf_counter()
     old_logprobs = ray.get(loop.run.trainer.old_logprobs.remote(batch))
+    times["time/score"] = time.perf_counter() - t0  # the forward and log-prob tail, within time/train
     record.update(check_parity(loop, step, completions, old_logprobs))
     result = ray.get(loop.run.trainer.train_step.remote(batch, old_logprobs))
     times["time/train"] = time.perf_counter() - t0

@@ -49,7 +49,7 @@ def _assert_every_step_bitwise(records: list[dict], steps: int) -> None:
         assert r["parity/max_abs_diff"] == r["parity/kl_k1"] == r["parity/kl_k3"] == 0.0
         assert r["sync/checksum_ok"] == 1.0
         for key in ("reward/mean", "reward/std", "response/length_mean", "ppo/kl", "ppo/clipfrac",
-                    "ppo/entropy", "ref/kl", "sync/seconds", "time/rollout", "time/train"):
+                    "ppo/entropy", "ref/kl", "sync/seconds", "time/rollout", "time/score", "time/train"):
             assert isinstance(r[key], float), key
 
 
