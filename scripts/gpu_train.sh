@@ -36,7 +36,10 @@ run() {  # run NAME CMD...: one log per run, its last lines printed
     local name=$1 left=$((DEADLINE - SECONDS)); shift
     [ "$left" -lt 30 ] && { echo "== $name: skipped (deadline)"; return; }
     local t0=$SECONDS
-    timeout "$left" "$@" >"$OUT_DIR/$name.log" 2>&1
+    # --foreground: the deadline's SIGTERM goes to the driver alone. Without it timeout signals
+    # its whole process group too, the driver sees a second SIGTERM (stop at once, no
+    # checkpoint) and Ray's processes die under the step in progress.
+    timeout --foreground "$left" "$@" >"$OUT_DIR/$name.log" 2>&1
     echo "== $name: rc=$? in $((SECONDS - t0)) s"
     grep -E "step [0-9]+/|Error|error:|parity|resum" "$OUT_DIR/$name.log" | tail -n "${TAIL:-6}"
 }
@@ -57,7 +60,8 @@ if [ -n "${SMOLLM2_GGUF:-}" ]; then
 fi
 echo "== total $SECONDS s"
 if [ -n "${PACK:-}" ]; then
-    tar czf "$PACK" -C "$(dirname "$OUT_DIR")" --exclude=checkpoints --exclude=ray --exclude=wandb \
+    # Never the run's Ray token (ray_auth_token): records only.
+    tar czf "$PACK" -C "$(dirname "$OUT_DIR")" --exclude=checkpoints --exclude=ray --exclude=wandb --exclude=ray_auth_token \
         "$(basename "$OUT_DIR")"
     dir="smollm2-$PARITY"
     if [ -f "$OUT_DIR/$dir/checkpoints/latest" ]; then
@@ -67,6 +71,6 @@ if [ -n "${PACK:-}" ]; then
         for step in "$OUT_DIR/$dir"/checkpoints/step_*; do
             [ "$(basename "$step")" = "$last" ] || older+=("--exclude=$dir/checkpoints/$(basename "$step")")
         done
-        tar czf - -C "$OUT_DIR" --exclude=ray --exclude=wandb "${older[@]}" "$dir" | split -b 15M - "$PACK.ckpt."
+        tar czf - -C "$OUT_DIR" --exclude=ray --exclude=wandb --exclude=ray_auth_token "${older[@]}" "$dir" | split -b 15M - "$PACK.ckpt."
     fi
 fi
