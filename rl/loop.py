@@ -675,11 +675,11 @@ def train_step(loop: Loop, step: int) -> dict[str, Any]:
     import ray
 
     t0 = time.perf_counter()
-    group_samples, completions, env_record = rollout_step(loop, step)
+    group_samples, completions, rollout_record = rollout_step(loop, step)
     times = {"time/rollout": time.perf_counter() - t0, "time/reward": 0.0, "time/score": 0.0, "time/train": 0.0}
     t0 = time.perf_counter()
     rewards, issues, record = reward_step(loop, step, group_samples, completions)
-    record.update(env_record)
+    record.update(rollout_record)
     times["time/reward"] = time.perf_counter() - t0
     non_finite = [i for i in issues if i.non_finite]
     if non_finite:
@@ -710,7 +710,7 @@ def train_step(loop: Loop, step: int) -> dict[str, Any]:
 
 
 def rollout_step(loop: Loop, step: int) -> tuple[list, list[dict], dict[str, float]]:
-    """(samples, completions, env/* metrics): each prompt of the step sampled
+    """(samples, completions, rollout/* and env/* metrics): each prompt of the step sampled
     samples_per_prompt times, consecutively (GRPO / RLOO groups); with an environment, as
     multi-turn trajectories (env_rollout)."""
     from rl.data import format_prompt
@@ -721,11 +721,12 @@ def rollout_step(loop: Loop, step: int) -> tuple[list, list[dict], dict[str, flo
     if loop.pre.env_cls is not None:
         return group_samples, *env_rollout(loop, step, group_samples)
     prompts = [format_prompt(s, loop.pre.tokenizer, cfg.data.chat_template) for s in group_samples]
-    return group_samples, generate_with_restart(loop.run, prompts, step, loop.logs), {}
+    completions = generate_with_restart(loop.run, prompts, step, loop.logs)
+    return group_samples, completions, {"rollout/prefix_cache_hit_tokens": sum(c["cached_tokens"] for c in completions)}
 
 
 def env_rollout(loop: Loop, step: int, group_samples: list) -> tuple[list[dict], dict[str, float]]:
-    """(completions, env/* metrics): one environment per sample, run turn by turn (rl.env);
+    """(completions, env/* and rollout/* metrics): one environment per sample, run turn by turn (rl.env);
     each completion also holds its mask, its trajectory's reward and the environment's error."""
     from rl.env import Budget, env_metrics, run_trajectories
 
@@ -734,15 +735,20 @@ def env_rollout(loop: Loop, step: int, group_samples: list) -> tuple[list[dict],
             for _ in group_samples]
     budget = Budget(r.max_turns, r.max_tokens, r.max_trajectory_tokens, loop.run.max_model_len)
 
+    hits = 0  # prompt tokens of every turn taken from the prefix cache (earlier turns' KV)
+
     def generate(prompts: list[list[int]], turn: int, stop: Stop | None) -> list[dict]:
-        return generate_with_restart(loop.run, prompts, step, loop.logs, turn, stop)
+        nonlocal hits
+        done = generate_with_restart(loop.run, prompts, step, loop.logs, turn, stop)
+        hits += sum(c["cached_tokens"] for c in done)
+        return done
 
     try:
         trajectories = run_trajectories(envs, group_samples, budget, generate)
     except ValueError as e:  # an environment's reset failed: no trajectory to train on
         raise UserError(f"step {step}: env.name {cfg.env.name}: {e}") from None
     completions = [{**t.completion(), "reward": t.reward, "env_error": t.error} for t in trajectories]
-    return completions, env_metrics(envs, trajectories)
+    return completions, {**env_metrics(envs, trajectories), "rollout/prefix_cache_hit_tokens": hits}
 
 
 def reward_step(loop: Loop, step: int, group_samples: list, completions: list[dict]) -> tuple[torch.Tensor, list, dict[str, Any]]:

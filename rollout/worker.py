@@ -50,13 +50,15 @@ class RolloutWorker:
         self, prompts: list[list[int]], max_tokens: int, sampling: Sampling, seed: int,
         keys: list[int] | None = None, stop: Stop | None = None,
     ) -> list[dict]:
-        """Sample one completion per prompt; returns token ids and rollout log-probs. `seed`
-        reseeds the engine (stock vLLM samples from it); `keys` are the parity sampler's
-        request keys, `stop` where a completion may end early (RolloutEngine.generate)."""
+        """Sample one completion per prompt; returns token ids, rollout log-probs and the prompt
+        tokens taken from the prefix cache. `seed` reseeds the engine (stock vLLM samples from
+        it); `keys` are the parity sampler's request keys, `stop` where a completion may end
+        early (RolloutEngine.generate)."""
         self.engine.reseed(seed)
         done = self.engine.generate(prompts, max_tokens=max_tokens, sampling=sampling, keys=keys, stop=stop)
         return [
-            {"prompt_ids": c.prompt_ids, "token_ids": c.token_ids, "rollout_logprobs": c.rollout_logprobs}
+            {"prompt_ids": c.prompt_ids, "token_ids": c.token_ids, "rollout_logprobs": c.rollout_logprobs,
+             "cached_tokens": c.cached_tokens}
             for c in done
         ]
 

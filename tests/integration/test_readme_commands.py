@@ -194,7 +194,10 @@ def test_readme_command(command, user_dir):
         _check_run(user_dir / "runs/deepspeed", 2)
     if command.endswith("train configs/agentic_calculator.yaml"):
         _check_run(user_dir / "runs/agentic_calculator", 2)
-        assert all(r["env/turns_mean"] >= 1.0 and r["env/errors"] == 0 for r in _metrics(user_dir / "runs/agentic_calculator"))
+        rows = _metrics(user_dir / "runs/agentic_calculator")
+        assert all(r["env/turns_mean"] >= 1.0 and r["env/errors"] == 0 for r in rows)
+        # A prompt's samples share its system message's blocks: hits in every step's rollout.
+        assert all(r["rollout/prefix_cache_hit_tokens"] > 0 for r in rows), rows
     if "run_dir=runs/agentic-probe" in command:
         # Every trajectory is 3 turns; only the model's tokens are trained and compared.
         _check_run(user_dir / "runs/agentic-probe", 2)
