@@ -93,25 +93,27 @@ def placement_group(num_rollout_workers: int, gpus_per_actor: float, trainer_ran
     """One bundle per rollout worker, then one per trainer rank. Each asks for one logical
     CPU (the loop is synchronous: rollout, then training, so every actor may use all cores
     while it works; torch threads are set per actor, not by this bundle) and `gpus_per_actor`
-    of a GPU. A role with a `ray.placement` resource gets bundles only on nodes that have it."""
+    of a GPU. A role with a `ray.placement` resource gets bundles only on nodes that have it
+    (trainer rank r on the r-th resource where the trainer has a list)."""
     import ray
     from ray.util.placement_group import placement_group as make
 
     placement = placement or PlacementConfig()
+    trainer = placement.trainer if isinstance(placement.trainer, list) else [placement.trainer] * trainer_ranks
+    names = {"rollout": [placement.rollout] * num_rollout_workers, "trainer": trainer}
     resources = ray.cluster_resources()
-    for role in ("rollout", "trainer"):
-        name = getattr(placement, role)
-        if name is not None and name not in resources:
-            address = ray.get_runtime_context().gcs_address
-            raise UserError(f"ray.placement.{role}: the cluster at {address} has no node with the resource "
-                            f"{name!r} (its custom resources: {', '.join(sorted(_custom(resources))) or 'none'})")
+    for role, wanted in names.items():
+        for name in wanted:
+            if name is not None and name not in resources:
+                address = ray.get_runtime_context().gcs_address
+                raise UserError(f"ray.placement.{role}: the cluster at {address} has no node with the resource "
+                                f"{name!r} (its custom resources: {', '.join(sorted(_custom(resources))) or 'none'})")
 
     def bundle(name: str | None) -> dict[str, float]:
         b = {"CPU": 1.0} | ({"GPU": gpus_per_actor} if gpus_per_actor else {})
         return b | ({name: _PLACEMENT_SHARE} if name else {})
 
-    bundles = ([bundle(placement.rollout) for _ in range(num_rollout_workers)]
-               + [bundle(placement.trainer) for _ in range(trainer_ranks)])
+    bundles = [bundle(name) for name in names["rollout"] + names["trainer"]]
     pg = make(bundles, strategy="PACK")
     ray.get(pg.ready())
     return pg

@@ -43,7 +43,7 @@ from trainer.config import (
 __all__ = [
     "AlgorithmConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "EnvConfig", "LoggingConfig",
     "LoraConfig", "ModelConfig", "ParityConfig", "PlacementConfig", "RayConfig", "RewardConfig", "RolloutConfig", "SyncConfig",
-    "TrainerConfig", "dump_config", "load_config", "resolve_callable", "resolve_env",
+    "TrainerConfig", "dump_config", "load_config", "resolve_callable", "resolve_env", "trainer_ranks",
 ]
 
 BUILTIN_HOOKS = ("checksum", "timing", "parity_probe")
@@ -69,10 +69,11 @@ class ModelConfig:
 @dataclass
 class PlacementConfig:
     # The Ray custom resource (`ray start --resources '{"host_b": 1}'`) of the node(s) that run
-    # the rollout workers / the trainer's ranks; None lets Ray choose. Needs ray.address: the
-    # run's own local cluster is one node with no custom resources.
+    # the rollout workers / the trainer's ranks, or for the trainer a list of one per rank (rank
+    # order: ranks on several nodes); None lets Ray choose. Needs ray.address: the run's own
+    # local cluster is one node with no custom resources.
     rollout: str | None = None
-    trainer: str | None = None
+    trainer: str | list[str] | None = None
 
 
 @dataclass
@@ -309,8 +310,13 @@ def _convert(tp: Any, value: Any, key: str, sources: _Sources) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (tp,) = [a for a in args if a is not type(None)]  # only `X | None` unions are used
-        return _convert(tp, value, key, sources)
+        kinds = [a for a in args if a is not type(None)]
+        for tp in kinds[:-1]:  # `str | list[str]`: the first kind the value is
+            try:
+                return _convert(tp, value, key, sources)
+            except ConfigError:
+                pass
+        return _convert(kinds[-1], value, key, sources)
     if origin is Literal:
         if not isinstance(value, str) or value not in args:
             raise sources.error(key, f"expected one of {', '.join(args)}; got {value!r}")
@@ -398,20 +404,30 @@ def _check_gpus(cfg: Config, sources: _Sources) -> None:
                                 "no CUDA device (0 runs on the CPU)")
 
 
+def trainer_ranks(cfg: Config) -> int:
+    """The trainer's Ray actors: its tensor- x data-parallel ranks (megatron; a DeepSpeed
+    worker starts its own ranks)."""
+    return cfg.trainer.tensor_parallel_size * cfg.trainer.data_parallel_size
+
+
 def _check_placement(cfg: Config, sources: _Sources) -> None:
     """ray.placement names custom resources of an existing cluster; whether the cluster has
     them is checked when the run connects (rl.cluster.placement_group)."""
     for role in ("rollout", "trainer"):
-        resource = getattr(cfg.ray.placement, role)
-        if resource is None:
+        resources = getattr(cfg.ray.placement, role)
+        if resources is None:
             continue
         key = f"ray.placement.{role}"
         if cfg.ray.address is None:
             raise sources.error(key, "needs ray.address: the run's own local cluster is one node with "
                                 "no custom resources")
-        if not _RESOURCE_NAME.fullmatch(resource) or resource in _RAY_BUILTIN_RESOURCES:
-            raise sources.error(key, f"expected the name of a custom Ray resource (as in ray start "
-                                f"--resources '{{\"host_b\": 1}}'), got {resource!r}")
+        if isinstance(resources, list) and len(resources) != trainer_ranks(cfg):
+            raise sources.error(key, f"lists {len(resources)} resources, one per trainer rank, but the "
+                                f"trainer has {trainer_ranks(cfg)} ranks")
+        for resource in resources if isinstance(resources, list) else [resources]:
+            if not _RESOURCE_NAME.fullmatch(resource) or resource in _RAY_BUILTIN_RESOURCES:
+                raise sources.error(key, f"expected the name of a custom Ray resource (as in ray start "
+                                    f"--resources '{{\"host_b\": 1}}'), got {resource!r}")
 
 
 def _check_env(cfg: Config, sources: _Sources) -> None:

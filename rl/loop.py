@@ -33,7 +33,6 @@ import dataclasses
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from rich.markup import escape
 from parity.compare import compare_logprobs
 from parity.lora import AdapterLayout
 from parity.wire import Packed
-from rl.config import Config, dump_config
+from rl.config import Config, dump_config, trainer_ranks
 from rl.errors import UserError, user_error
 from rl.metrics import MetricsLog, Wandb, plot_curves
 
@@ -130,12 +129,6 @@ def sample_keys(seed: int, step: int, n: int, turn: int = 0) -> list[int]:
     return [request_key(worker_seed, 0, i, 0) for i in range(n)]
 
 
-def trainer_ranks(cfg: Config) -> int:
-    """The trainer's Ray actors: its tensor- x data-parallel ranks (megatron; a DeepSpeed
-    worker starts its own ranks)."""
-    return cfg.trainer.tensor_parallel_size * cfg.trainer.data_parallel_size
-
-
 def split(items: list, parts: int) -> list[list]:
     """Contiguous, nearly equal parts (the first ones one longer)."""
     size, extra = divmod(len(items), parts)
@@ -170,6 +163,7 @@ class Run:
         from rl.cluster import TrainerGroup, placement_group
         from rollout.worker import RolloutWorker
         from trainer.backend import get_backend
+        from trainer.distributed import Rendezvous
 
         world = trainer_ranks(cfg)
         gpus = cfg.ray.gpus_per_actor
@@ -178,8 +172,8 @@ class Run:
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING",
                             # JIT-built C++ ops (deepspeed_cpu_adam) are cached in the run dir.
                             "TORCH_EXTENSIONS_DIR": str(Path(cfg.run_dir) / "torch_extensions")}}
-        # The ranks' torch.distributed rendezvous: a file, fresh for this start (one node).
-        self._rendezvous = tempfile.TemporaryDirectory(prefix="kimi-rl-trainer-")
+        # Where the ranks' torch.distributed meets, on whichever nodes the ranks are placed.
+        rendezvous = ray.remote(Rendezvous).options(num_cpus=0).remote() if world > 1 else None
         ranks = [
             ray.remote(get_backend(cfg.trainer.backend).worker_class())
             .options(num_cpus=1, num_gpus=gpus,
@@ -189,7 +183,7 @@ class Run:
                 cfg.model.path, cfg.model.dtype, parity=cfg.parity.enabled, lora=cfg.lora,
                 trainer=cfg.trainer, algorithm=cfg.algorithm, seed=cfg.seed,
                 sampling=cfg.rollout.sampling(), kv_cache_dtype=cfg.rollout.kv_cache_dtype,
-                **({"rank": r, "rendezvous": os.path.join(self._rendezvous.name, "store")} if world > 1 else {}),
+                **({"rank": r, "rendezvous": rendezvous} if world > 1 else {}),
             )
             for r in range(world)
         ]
@@ -297,8 +291,6 @@ class Run:
             except Exception:  # a dead worker has nothing left to close
                 pass
         ray.shutdown()
-        if hasattr(self, "_rendezvous"):
-            self._rendezvous.cleanup()
 
 
 def make_sync(run: Run, cfg: Config, probe: list[list[int]]):

@@ -184,6 +184,30 @@ def test_a_resource_no_node_has_is_a_one_line_error(cluster: Cluster):
             "the resource 'host_c' (its custom resources: host_a, host_b)") in output, output[-3000:]
 
 
+def test_trainer_ranks_on_two_hosts(cluster: Cluster):
+    """Data-parallel trainer ranks on both hosts (`ray.placement.trainer` one resource per rank):
+    they meet through the run's Rendezvous actor, not a file on one host, and gloo's sockets sit
+    on each host's own address; every step stays bitwise and both ranks train."""
+    run_dir = cluster.tmp / "ranks-on-two-hosts"
+    rc, output = _train(cluster, run_dir, "ray.placement.rollout=host_b", "ray.placement.trainer=[host_a, host_b]",
+                        "trainer.data_parallel_size=2", "trainer.deterministic_layout=true")
+    assert rc == 0, output[-3000:]
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert r["parity/bitwise_equal_fraction"] == 1.0 and r["parity/kl_k1"] == 0.0, r
+        assert r["train/rank_tokens/0"] > 0 and r["train/rank_tokens/1"] > 0, r
+    placed = _python(cluster.a, f"""
+import json, ray
+ray.init(address={cluster.address!r}, logging_level="error")
+print(json.dumps([(v["ActorClassName"], v["Address"]["IPAddress"]) for v in ray._private.state.actors().values()]))
+""", RAY_AUTH_MODE="token")
+    assert placed.returncode == 0, placed.stderr[-2000:]
+    actors = json.loads(placed.stdout.strip().splitlines()[-1])
+    # Earlier runs of this module put their trainer on host a only: host b's is this run's.
+    assert {ip for name, ip in actors if name == "TrainerWorker"} == {cluster.a.address, cluster.b.address}, actors
+
+
 def _kill_host_b_after_a_checkpoint(cluster: Cluster, run_dir: Path, *args: str) -> str:
     """Start a run, kill host b's raylet (by pid) once step 1's checkpoint exists, and return
     the console output of the run, which must exit 1."""

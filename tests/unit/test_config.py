@@ -405,6 +405,12 @@ def test_sample_keys_under_one_worker_are_the_engines_own():
      "ray.placement.trainer: expected the name of a custom Ray resource"),
     ("ray:\n  address: 10.0.0.1:6379\n  placement: {rollout: 'node:10.0.0.2'}\n", 6,
      "ray.placement.rollout: expected the name of a custom Ray resource"),
+    ("ray:\n  address: 10.0.0.1:6379\n  placement: {trainer: [host_a, host_b]}\n", 6,
+     "ray.placement.trainer: lists 2 resources, one per trainer rank, but the trainer has 1 ranks"),
+    ("trainer:\n  data_parallel_size: 2\n  deterministic_layout: true\nray:\n  address: 10.0.0.1:6379\n"
+     "  placement: {trainer: [host_a, GPU]}\n", 9,
+     "ray.placement.trainer: expected the name of a custom Ray resource (as in ray start --resources "
+     "'{\"host_b\": 1}'), got 'GPU'"),
 ])
 def test_placement_errors(write, body: str, line: int, phrase: str) -> None:
     path = write(body)
@@ -416,6 +422,10 @@ def test_placement_defaults_and_keys(write) -> None:
     cfg = load_config(write(), ["ray.address=10.0.0.1:6379", "ray.placement.rollout=host_b"])
     assert (cfg.ray.placement.rollout, cfg.ray.placement.trainer) == ("host_b", None)
     assert load_config(write()).ray.placement.rollout is None
+    # One resource per trainer rank, in rank order: ranks on several nodes.
+    cfg = load_config(write(), ["ray.address=10.0.0.1:6379", "trainer.data_parallel_size=2",
+                                "trainer.deterministic_layout=true", "ray.placement.trainer=[host_a, host_b]"])
+    assert cfg.ray.placement.trainer == ["host_a", "host_b"]
 
 
 def test_fp8_cache_on_a_dense_model_is_refused_naming_the_key(write) -> None:

@@ -18,13 +18,13 @@ from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 class TrainerWorker:
     """One trainer rank. At trainer.tensor_parallel_size x trainer.data_parallel_size = N the
     driver starts N of these (rl.cluster.TrainerGroup) with the same arguments, ranks 0..N-1
-    and one rendezvous file, and calls every method on every rank; rank 0's result is the one
+    and one rendezvous (trainer.distributed.Rendezvous), and calls every method on every rank; rank 0's result is the one
     used (every rank ends a step with the same state: the gradients are gathered, not split)."""
 
     def __init__(
         self, model_path: str, dtype: str, *, parity: bool, lora: LoraConfig,
         trainer: TrainerConfig, algorithm: AlgorithmConfig, seed: int,
-        sampling: Sampling | None = None, rank: int = 0, rendezvous: str | None = None,
+        sampling: Sampling | None = None, rank: int = 0, rendezvous=None,
         kv_cache_dtype: str = "auto",
     ) -> None:
         from trainer.megatron.patches import init_megatron
@@ -125,23 +125,34 @@ class TrainerWorker:
         return load_checkpoint(Path(path), self.policy)
 
 
-def init_world(rank: int = 0, size: int = 1, rendezvous: str | None = None) -> None:
-    """torch.distributed for this trainer's ranks, listening on loopback only: the rendezvous
-    goes through a file (`rendezvous`, shared by the ranks; a fresh one for a world of one;
-    a TCPStore, env:// with MASTER_ADDR, listens on every interface, "::", whatever MASTER_ADDR
-    says), and gloo's own socket is on the loopback interface. The ranks run on one node."""
+def init_world(rank: int = 0, size: int = 1, rendezvous=None) -> None:
+    """torch.distributed for this trainer's ranks. They meet through `rendezvous`: in a run, a
+    trainer.distributed.Rendezvous actor (ranks on any nodes of the Ray cluster); without Ray, a
+    file path the ranks share (one host); None for a world of one. The collectives' own sockets
+    (gloo, NCCL's bootstrap) go on the interface holding this node's Ray address: loopback in a
+    local run, the node's address in a cluster. No TCPStore: it listens on every interface."""
     import tempfile
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    path = rendezvous or os.path.join(tempfile.mkdtemp(prefix="kimi-rl-store-"), "store")
-    store = dist.FileStore(path, size)
+    from trainer.distributed import RayStore, interface_of
+
+    timeout = timedelta(minutes=10)
+    if rendezvous is None or isinstance(rendezvous, str):
+        interface = "lo"
+        path = rendezvous or os.path.join(tempfile.mkdtemp(prefix="kimi-rl-store-"), "store")
+        store = dist.FileStore(path, size)
+    else:
+        import ray
+
+        interface = interface_of(ray.util.get_node_ip_address())
+        store = RayStore(rendezvous, timeout)
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = interface
     # A rank that fails leaves the others waiting in a collective: the driver reports the
     # failed rank's error at once and stops them all; the timeout only bounds a lost rank.
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
-                            world_size=size, timeout=timedelta(minutes=10))
+                            world_size=size, timeout=timeout)
 
 
 def guarded_train_step(policy, batch: dict, old_logprobs: list[torch.Tensor] | None = None) -> dict:
