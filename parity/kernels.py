@@ -28,7 +28,10 @@ The vocabulary log-softmax and the sampler after it are compiled too (parity/csr
 parity/sampling.py): the rollout samples with them instead of vLLM's sampler.
 
 All functions are differentiable: the forward is the invariant kernel, the backward plain torch
-math (gradients need not be bit-stable, only the forward log-probs must be). A pure-torch
+math (gradients need not be batch invariant, only the forward log-probs must be), except that
+the element-wise ops' derivatives are computed from the compiled ops too (an element's gradient
+depends on its value alone) and that parity.autograd.ordered_backward fixes the order of the
+linears' input gradients and attention's (the trainer's deterministic_layout). A pure-torch
 reference of each compiled kernel's order lives in the tests.
 """
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +70,7 @@ def _elementwise(name: str, x: torch.Tensor) -> torch.Tensor:
     Invariant by construction: every element runs one fixed sequence of correctly rounded fp32
     operations (exp is our own polynomial, not a vendor's vector math), so its bits are a
     function of its value alone - on any ISA code path, at any position, on any thread.
-    Differentiable: gradients come from the plain torch op.
+    Differentiable: the derivative is computed the same way (_DERIVATIVES).
     """
     reference = _ELEMENTWISE_TORCH[name]
     if x.is_cuda:
@@ -78,12 +82,38 @@ def _elementwise(name: str, x: torch.Tensor) -> torch.Tensor:
         return native.ops().unary(t, name).to(t.dtype)
 
     if torch.is_grad_enabled() and x.requires_grad:
-        return RecomputeGrad.apply(x, forward, reference)
+        return RecomputeGrad.apply(x, forward, reference, _DERIVATIVES[name])
     return forward(x)
 
 
 _ELEMENTWISE_TORCH = {
     "exp": torch.exp, "sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus, "rsqrt": torch.rsqrt,
+}
+
+
+def _sigmoid_derivative(x: torch.Tensor) -> torch.Tensor:
+    s = sigmoid(x)
+    return s * (1 - s)
+
+
+def _silu_derivative(x: torch.Tensor) -> torch.Tensor:
+    s = sigmoid(x)
+    return s * (1 + x * (1 - s))  # torch's formula
+
+
+def _rsqrt_derivative(x: torch.Tensor) -> torch.Tensor:
+    r = rsqrt(x)
+    return -0.5 * (r * r * r)
+
+
+# Each op's derivative from the compiled ops and correctly rounded steps only, so an element's
+# gradient is a function of its value alone, like its forward. (torch's own backward kernels
+# run a vendor vector exp in their vector loop and libm's in the tail: an element's bits would
+# depend on its position, hence on the tensor's width, e.g. a tensor-parallel rank's share.)
+_DERIVATIVES = {
+    "exp": lambda x: exp(x), "sigmoid": _sigmoid_derivative, "silu": _silu_derivative,
+    "softplus": lambda x: torch.where(x > 20, torch.ones_like(x), sigmoid(x)),  # torch's threshold 20
+    "rsqrt": _rsqrt_derivative,
 }
 
 
@@ -145,7 +175,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k_splits: int = 1,
-    packed: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None, input_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """y = x @ weight.T (+ bias), for x of shape [..., K] and weight [N, K].
 
@@ -156,7 +186,9 @@ def linear(
     parity.tp.row_splits) the chain restarts at each of S equal K-slices and the S partials are
     added in order in fp32 before the one rounding: the order a TP shard over whole slices
     reproduces (`linear_partials` + parity.tp.rank_ordered_sum). Gradients (training only) come
-    from plain GEMMs: they need not be bitwise reproducible across batch shapes, only correct.
+    from plain GEMMs: they need not be bitwise reproducible across batch shapes, only correct;
+    `input_grad(grad_out, weight)` (CPU), when given, computes the input's instead (a caller's
+    fixed-order product: trainer.megatron.layers under parity.autograd.ordered_backward).
     `packed` (CPU: `pack(weight)`, made by the caller since its last write of the weight) skips
     the per-call pack; without it the weight is packed on every call.
     """
@@ -166,7 +198,7 @@ def linear(
         return _cuda().linear(x, weight, bias, k_splits)
     forward = functools.partial(_linear_fixed_order, k_splits=k_splits, packed=packed)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        out = InvariantLinear.apply(x, weight, forward)
+        out = InvariantLinear.apply(x, weight, forward, input_grad)
     else:
         out = forward(x, weight)
     return out if bias is None else out + bias

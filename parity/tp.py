@@ -123,6 +123,14 @@ def shard_delta_cols(delta: torch.Tensor, fused: str, rank: int, size: int) -> t
     return delta.chunk(size, dim=-1)[rank]
 
 
+def unshard_delta_cols(shards: list[torch.Tensor], fused: str) -> torch.Tensor:
+    """Inverse of shard_delta_cols over every rank's columns, in rank order."""
+    if fused == "gate_up":
+        halves = [s.chunk(2, dim=-1) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=-1)
+    return torch.cat(shards, dim=-1)
+
+
 def rank_ordered_sum(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """parts [S, ...] (the all-gathered fp32 K-slice partials, in slice order = rank order)
     -> their sum.

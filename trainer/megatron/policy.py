@@ -120,7 +120,11 @@ class PolicyTrainer(PolicyStep):
             self._critic = lora_lib.adapter_parameters(self.frozen, CRITIC_ADAPTER) + [
                 (f"value_head.{n}", p) for n, p in self.value_head.named_parameters()
             ]
-        self._partial_grads = tp_partial_grad_params(self.model) if self.config.tensor_parallel_size > 1 else []
+        # The ordered step (deterministic_layout) computes every adapter gradient whole on
+        # every rank (trainer.megatron.layers): nothing is left to sum across the TP ranks.
+        tp_size = self.config.tensor_parallel_size
+        sharded = tp_size > 1 and not self.config.deterministic_layout
+        self._partial_grads = tp_partial_grad_params(self.model) if sharded else []
         # Frozen weights (the LoRA base, a full fine-tune's reference copy) are never written
         # again: the compiled GEMM's packs of them are made once, here, not on every forward.
         for model in {id(m): m for m in (self.model, self.frozen) if m is not None}.values():
