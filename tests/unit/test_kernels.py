@@ -4,6 +4,8 @@ form. Equality is torch.equal, never a tolerance."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -295,6 +297,36 @@ def test_attention_matches_dense_reference_and_has_gradients():
     for g, t in zip(grads, (q, k, v), strict=True):
         assert (g - t.grad).abs().max() < 1e-4
 
+
+
+def test_ordered_attention_gradients_do_not_depend_on_the_heads_beside():
+    """Under ordered_backward a KV head's gradients (its query heads', its keys' and values') are
+    those of the KV head alone: a tensor-parallel rank holding some of the heads computes the
+    same bits as TP = 1. They are the plain backward's up to rounding."""
+    from parity.autograd import ordered_backward
+
+    hkv, g = 4, 3
+    q = _randn(0, 40, hkv * g, 16).requires_grad_()
+    k = _randn(1, 1, 40, hkv, 16).requires_grad_()
+    v = _randn(2, 1, 40, hkv, 16).requires_grad_()
+    seq, pos = torch.zeros(40, dtype=torch.long), torch.arange(40)
+    weight = _randn(3, 40, hkv * g, 16)
+
+    def grads(q, k, v, weight, ordered=True):
+        with ordered_backward() if ordered else contextlib.nullcontext():
+            out = kernels.attention(q, k, v, seq, pos, 0.25)
+        return torch.autograd.grad((out * weight).sum(), (q, k, v))
+
+    whole = grads(q, k, v, weight)
+    for first, count in ((0, 1), (1, 2), (2, 2)):  # a rank's consecutive KV heads
+        heads = slice(first * g, (first + count) * g)
+        part = grads(q[:, heads].detach().requires_grad_(), k[:, :, first : first + count].detach().requires_grad_(),
+                     v[:, :, first : first + count].detach().requires_grad_(), weight[:, heads])
+        assert torch.equal(part[0], whole[0][:, heads])
+        for got, want in zip(part[1:], whole[1:], strict=True):
+            assert torch.equal(got, want[:, :, first : first + count])
+    for got, want in zip(whole, grads(q, k, v, weight, ordered=False), strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_attention_gradient_reference_takes_packed_queries():
