@@ -4,9 +4,9 @@ of their own so that neither kernel module imports the other for them.
 
 `ordered_backward()` switches the gradients that a tensor-parallel split would change to a
 fixed order (the trainer's `deterministic_layout`): a linear's input gradient through a
-caller's fixed-order product (`InvariantLinear`'s `input_grad_fn`), attention's gradient one KV
-head at a time (`RecomputeAttention`), so that neither depends on how many heads or output
-features a rank holds.
+caller's fixed-order product (`InvariantLinear`'s `input_grad_fn`), attention's through
+compiled per-head products (`RecomputeAttention`'s `ordered_fn`), so that neither depends on
+how many heads or output features a rank holds.
 """
 
 from __future__ import annotations
@@ -62,47 +62,30 @@ class InvariantLinear(torch.autograd.Function):
 
 class RecomputeAttention(torch.autograd.Function):
     """Attention whose forward is an invariant kernel and whose gradients come from a dense
-    differentiable reference, recomputed in backward (gradients need only be correct).
+    differentiable reference, recomputed in backward (gradients need only be correct), or,
+    inside ordered_backward, from `ordered_fn` (a fixed-order backward; None: the reference).
     Shared by the CPU kernel here and the CUDA kernel in parity/cuda.py."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_seq, q_pos, scale, forward_fn, reference_fn):
+    def forward(ctx, q, k, v, q_seq, q_pos, scale, forward_fn, reference_fn, ordered_fn):
         ctx.save_for_backward(q, k, v, q_seq, q_pos)
-        ctx.scale, ctx.reference_fn, ctx.ordered = scale, reference_fn, _ordered
+        ctx.scale, ctx.reference_fn = scale, reference_fn
+        ctx.ordered_fn = ordered_fn if _ordered else None
         with torch.no_grad():
             return forward_fn(q, k, v, q_seq, q_pos, scale)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, q_seq, q_pos = ctx.saved_tensors
-        wanted = [t.requires_grad for t in (q, k, v)]
-        if not ctx.ordered:
-            grads = _attention_grads(ctx.reference_fn, q, k, v, q_seq, q_pos, ctx.scale, grad_out, wanted)
-            return (*grads, *([None] * 5))
-        # One KV head (and its query heads) at a time, each a fresh contiguous tensor: every
-        # product then has the same shapes and layout whatever number of heads a
-        # tensor-parallel rank holds (a batched matmul may pick its kernel from the batch).
-        hkv = k.shape[2]
-        g = q.shape[1] // hkv
-        per_head = [
-            _attention_grads(ctx.reference_fn, q[:, h * g : (h + 1) * g].contiguous(),
-                             k[:, :, h : h + 1].contiguous(), v[:, :, h : h + 1].contiguous(), q_seq, q_pos,
-                             ctx.scale, grad_out[:, h * g : (h + 1) * g].contiguous(), wanted)
-            for h in range(hkv)
-        ]
-        grads = [None if parts[0] is None else torch.cat(parts, dim=dim)
-                 for parts, dim in zip(zip(*per_head, strict=True), (1, 2, 2), strict=True)]
-        return (*grads, *([None] * 5))
-
-
-def _attention_grads(reference_fn, q, k, v, q_seq, q_pos, scale, grad_out, wanted) -> list[torch.Tensor | None]:
-    """The gradients of (q, k, v) through the dense reference (None where `wanted` is False)."""
-    with torch.enable_grad():
-        inputs = [t.detach().requires_grad_(w) for t, w in zip((q, k, v), wanted, strict=True)]
-        out = reference_fn(*inputs, q_seq, q_pos, scale)
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
-    return [next(grads) if t.requires_grad else None for t in inputs]
+        if ctx.ordered_fn is not None:
+            grads = ctx.ordered_fn(q, k, v, q_seq, q_pos, ctx.scale, grad_out)
+            return (*(g if t.requires_grad else None for g, t in zip(grads, (q, k, v), strict=True)), *([None] * 6))
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+            out = ctx.reference_fn(*inputs, q_seq, q_pos, ctx.scale)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), *([None] * 6))
 
 
 class RecomputeGrad(torch.autograd.Function):

@@ -492,6 +492,68 @@ def _attention_reference(
     return (out.reshape(nq, hq, d) if regular else out[q_seq, q_pos]).to(q.dtype)
 
 
+def _attention_grads_ordered(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+    scale: float, grad_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attention`'s gradients (q, k, v) in an order fixed by the model (parity.autograd.
+    ordered_backward), in the layouts of `_attention_reference` (each query in its own
+    (sequence, position) slot): see _ordered_attention_backward."""
+    nq, hq, d = q.shape
+    num_seqs, length = k.shape[:2]
+    per_seq = nq // num_seqs if num_seqs else 0
+    regular = per_seq * num_seqs == nq and torch.equal(
+        q_seq, torch.arange(num_seqs).repeat_interleave(per_seq)
+    )
+    if regular:
+        shape = (num_seqs, per_seq, hq, d)
+        qs, gs, pos = q.float().view(shape), grad_out.float().view(shape), q_pos.view(num_seqs, per_seq)
+    elif (q_seq * length + q_pos).unique().numel() == nq:  # placed at their slots of the training layout
+        shape = (num_seqs, length, hq, d)
+        qs = q.new_zeros(shape, dtype=torch.float32).index_put((q_seq, q_pos), q.float())
+        gs = q.new_zeros(shape, dtype=torch.float32).index_put((q_seq, q_pos), grad_out.float())
+        pos = torch.arange(length).expand(num_seqs, length)
+    else:
+        raise ValueError("ordered attention gradients need each query in its own (sequence, position) slot")
+    dq, dk, dv = _ordered_attention_backward(qs, k.float(), v.float(), pos, scale, gs)
+    dq = dq.reshape(nq, hq, d) if regular else dq[q_seq, q_pos]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _ordered_attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, grad_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal attention's backward for q, grad_out [R, Lq, hq, d] at positions q_pos [R, Lq] over
+    k, v [R, L, hkv, d], fp32. Every product is a compiled `bmm` entry of one (sequence, query
+    head) or, for a key's and a value's sums over their KV group, of one (sequence, KV head)
+    with the group's query heads end to end along K; the softmax is recomputed with the
+    compiled exp and row sums, everything else is element-wise. So no bit depends on how many
+    heads share the call (a tensor-parallel rank's share) or on the other sequences."""
+    num_seqs, lq, hq, d = q.shape
+    length, hkv = k.shape[1:3]
+    g = hq // hkv
+    heads = (num_seqs, lq, hkv, g, d)
+    qh = q.view(heads).permute(0, 2, 3, 1, 4)  # [R, hkv, g, Lq, d]
+    go = grad_out.view(heads).permute(0, 2, 3, 1, 4)
+    kh = k.permute(0, 2, 1, 3).unsqueeze(2).expand(num_seqs, hkv, g, length, d)  # [R, hkv, g, L, d]
+    vh = v.permute(0, 2, 1, 3).unsqueeze(2).expand(num_seqs, hkv, g, length, d)
+    masked = torch.arange(length).view(1, 1, 1, 1, length) > q_pos.view(num_seqs, 1, 1, lq, 1)
+    scores = (bmm(qh, kh.transpose(-1, -2)) * scale).masked_fill(masked, -math.inf)  # [R, hkv, g, Lq, L]
+    e = exp(scores - scores.amax(-1, keepdim=True))  # the max is exact in any order
+    p = e / row_sum(e).unsqueeze(-1)
+    dp = bmm(go, vh.transpose(-1, -2))
+    ds = p * (dp - row_sum(dp * p).unsqueeze(-1))
+    dq = bmm(ds, kh) * scale
+
+    def group_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a^T b summed over the group's heads and queries: [R, hkv, L, g * Lq] @ [R, hkv, g * Lq, d]."""
+        return bmm(a.permute(0, 1, 4, 2, 3).reshape(num_seqs, hkv, length, g * lq), b.reshape(num_seqs, hkv, g * lq, d))
+
+    dk = group_sum(ds, qh) * scale
+    dv = group_sum(p, go)
+    return dq.permute(0, 3, 1, 2, 4).reshape(num_seqs, lq, hq, d), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
 def attention_scale(head_dim: int) -> float:
     """The softmax scale, written once so both engines use the same Python float."""
     return head_dim**-0.5
@@ -518,7 +580,8 @@ def attention(
         return _cuda().attention(q, k, v, q_seq, q_pos, scale)
     if not INVARIANT:
         return _attention_reference(q, k, v, q_seq, q_pos, scale)
-    return RecomputeAttention.apply(q, k, v, q_seq, q_pos, scale, _attention_forward, _attention_reference)
+    return RecomputeAttention.apply(q, k, v, q_seq, q_pos, scale, _attention_forward, _attention_reference,
+                                    _attention_grads_ordered)
 
 
 def paged_attention(

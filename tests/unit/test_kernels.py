@@ -329,6 +329,25 @@ def test_ordered_attention_gradients_do_not_depend_on_the_heads_beside():
         torch.testing.assert_close(got, want)
 
 
+def test_ordered_attention_gradients_take_packed_queries():
+    """Ragged sequences' queries end to end (packed training): the ordered gradients are the
+    reference's up to rounding."""
+    from parity.autograd import ordered_backward
+
+    lengths = (7, 12, 1)
+    q = _randn(3, sum(lengths), 4, 16).requires_grad_()
+    k = _randn(4, 3, 12, 2, 16).requires_grad_()
+    v = _randn(5, 3, 12, 2, 16).requires_grad_()
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    with ordered_backward():
+        out = kernels.attention(q, k, v, seq, pos, 0.25)
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = kernels._attention_reference(q, k, v, seq, pos, 0.25)
+    for g, want in zip(got, torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(g, want)
+
+
 def test_attention_gradient_reference_takes_packed_queries():
     """Queries of ragged sequences given end to end (packed training): the reference computes
     each as the sequence alone does, gradients included (not bitwise: a plain-torch backward)."""
