@@ -413,7 +413,10 @@ class PolicyStep(ABC):
         is the minibatch's row order, and summed in that order (ordered_sum).
         The loss is normalised by the minibatch's token count, known before the split. So
         the summed gradient, hence the optimizer step on it, has the same bits at any
-        data_parallel_size and micro_batch_size; only per-sequence forwards are its cost."""
+        data_parallel_size and micro_batch_size; only per-sequence forwards are its cost. The
+        backward runs under parity.autograd.ordered_backward, whose fixed-order input gradients
+        give every tensor-parallel rank the TP = 1 gradient (trainer.megatron.layers), so the
+        tensor_parallel_size does not change the bits either."""
         total_tokens = t["mask"][rows].sum().clamp_min(1.0)
         rank, size = self._data_parallel()
         counts = [len(rank_share(rows, r, size)) for r in range(size)]
