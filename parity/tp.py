@@ -26,6 +26,12 @@ is computed on the full input exactly as with TP=1: a column-parallel layer's in
 full (the delta's columns of the rank are then sliced in the shard layout), a row-parallel
 layer's input shards are all-gathered (exact) first and its full delta is added once, after the
 sum. The delta therefore has the bits of the TP=1 delta on both sides, whatever the rank count.
+
+The trainer's ordered backward (deterministic_layout) uses the same construction backward: a
+column-parallel layer's input gradient sums over its output features in `row_splits` slices
+(partials in slice order across the ranks, `rank_ordered_sum`), and a column-parallel
+adapter's output gradient is gathered whole (`unshard_delta_cols`), so every rank computes the
+TP=1 gradients (trainer.megatron.layers).
 """
 
 from __future__ import annotations
