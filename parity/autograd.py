@@ -4,9 +4,10 @@ of their own so that neither kernel module imports the other for them.
 
 `ordered_backward()` switches the gradients that a tensor-parallel split would change to a
 fixed order (the trainer's `deterministic_layout`): a linear's input gradient through a
-caller's fixed-order product (`InvariantLinear`'s `input_grad_fn`), attention's through
-compiled per-head products (`RecomputeAttention`'s `ordered_fn`), so that neither depends on
-how many heads or output features a rank holds.
+caller's fixed-order product (`InvariantLinear`'s `input_grad_fn`), its weight gradient
+through one over the tokens in order (`weight_grad_fn`), attention's through compiled
+per-head products (`RecomputeAttention`'s `ordered_fn`), so that none depends on how many
+heads or output features a rank holds.
 """
 
 from __future__ import annotations
@@ -38,14 +39,15 @@ def ordered() -> bool:
 
 class InvariantLinear(torch.autograd.Function):
     """A linear whose forward is an invariant kernel (`forward_fn(x, weight)`) and whose
-    gradients are plain GEMMs (they need only be correct), or, for the input, the caller's
-    `input_grad_fn(grad_out, weight)` (a fixed-order product). Shared by the compiled CPU GEMM
-    (parity/kernels.py) and the CUDA kernel in parity/cuda.py."""
+    gradients are plain GEMMs (they need only be correct), or the caller's fixed-order
+    products: `input_grad_fn(grad_out, weight)` for the input, `weight_grad_fn(grad_out, x)`
+    for the weight. Shared by the compiled CPU GEMM (parity/kernels.py) and the CUDA kernel in
+    parity/cuda.py."""
 
     @staticmethod
-    def forward(ctx, x, weight, forward_fn, input_grad_fn=None):
+    def forward(ctx, x, weight, forward_fn, input_grad_fn=None, weight_grad_fn=None):
         ctx.save_for_backward(x, weight)
-        ctx.input_grad_fn = input_grad_fn
+        ctx.input_grad_fn, ctx.weight_grad_fn = input_grad_fn, weight_grad_fn
         return forward_fn(x, weight)
 
     @staticmethod
@@ -55,9 +57,11 @@ class InvariantLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grad_out @ weight if ctx.input_grad_fn is None else ctx.input_grad_fn(grad_out, weight)
         grad_w = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.weight_grad_fn is not None:
+            grad_w = ctx.weight_grad_fn(grad_out, x)
+        elif ctx.needs_input_grad[1]:
             grad_w = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)  # flatten: K may be 0
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 class RecomputeAttention(torch.autograd.Function):

@@ -46,7 +46,13 @@ import torch
 import torch.nn.functional as F
 
 from parity import native
-from parity.autograd import InvariantBmm, InvariantLinear, RecomputeAttention, RecomputeGrad
+from parity.autograd import (
+    InvariantBmm,
+    InvariantLinear,
+    RecomputeAttention,
+    RecomputeGrad,
+    ordered,
+)
 
 # Keys per attention block. Queries visit blocks 0..t//KV_BLOCK in order.
 KV_BLOCK = 64
@@ -188,7 +194,8 @@ def linear(
     reproduces (`linear_partials` + parity.tp.rank_ordered_sum). Gradients (training only) come
     from plain GEMMs: they need not be bitwise reproducible across batch shapes, only correct;
     `input_grad(grad_out, weight)` (CPU), when given, computes the input's instead (a caller's
-    fixed-order product: trainer.megatron.layers under parity.autograd.ordered_backward).
+    fixed-order product: trainer.megatron.layers under parity.autograd.ordered_backward); under
+    ordered_backward the weight's is the compiled GEMM over the tokens in order.
     `packed` (CPU: `pack(weight)`, made by the caller since its last write of the weight) skips
     the per-call pack; without it the weight is packed on every call.
     """
@@ -198,10 +205,18 @@ def linear(
         return _cuda().linear(x, weight, bias, k_splits)
     forward = functools.partial(_linear_fixed_order, k_splits=k_splits, packed=packed)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        out = InvariantLinear.apply(x, weight, forward, input_grad)
+        weight_grad = _weight_grad_fixed_order if ordered() else None
+        out = InvariantLinear.apply(x, weight, forward, input_grad, weight_grad)
     else:
         out = forward(x, weight)
     return out if bias is None else out + bias
+
+
+def _weight_grad_fixed_order(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad_out^T x [N, K] through the compiled GEMM: each element one FMA chain over the tokens
+    in order, whatever the shapes around it (parity.autograd.ordered_backward)."""
+    g = grad_out.reshape(math.prod(grad_out.shape[:-1]), grad_out.shape[-1]).t().contiguous()
+    return _linear_fixed_order(g, x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).t().contiguous())
 
 
 def linear_partials(

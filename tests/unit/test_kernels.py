@@ -329,6 +329,22 @@ def test_ordered_attention_gradients_do_not_depend_on_the_heads_beside():
         torch.testing.assert_close(got, want)
 
 
+def test_ordered_weight_gradient_is_one_chain_over_the_tokens():
+    """Under ordered_backward a linear's weight gradient is the compiled GEMM's order over the
+    tokens (linear_reference: one fp32 FMA chain per element, k = token 0, 1, ...), whatever the
+    batch's shape: the tokens of [3, 50] and of [150] give the same bits."""
+    from parity.autograd import ordered_backward
+
+    x, grad_out = _randn(0, 3, 50, 40), _randn(1, 3, 50, 24)
+    w = _randn(2, 24, 40).requires_grad_()
+    want = kernels.linear_reference(grad_out.reshape(150, 24).t().contiguous(), x.reshape(150, 40).t().contiguous())
+    for shape in ((3, 50), (150,)):
+        with ordered_backward():
+            y = kernels.linear(x.reshape(*shape, 40), w)
+        (got,) = torch.autograd.grad(y, w, grad_out.reshape(*shape, 24))
+        assert torch.equal(got, want), shape
+
+
 def test_ordered_attention_gradients_take_packed_queries():
     """Ragged sequences' queries end to end (packed training): the ordered gradients are the
     reference's up to rounding."""
