@@ -708,4 +708,5 @@ def attention(
 ) -> torch.Tensor:
     """kernels.attention on CUDA: forward `_attention_kernel`, backward a dense recompute."""
 
-    return RecomputeAttention.apply(q, k, v, q_seq, q_pos, scale, attention_forward, attention_reference)
+    # No ordered backward on CUDA yet (ordered_fn None): the dense recompute.
+    return RecomputeAttention.apply(q, k, v, q_seq, q_pos, scale, attention_forward, attention_reference, None)

@@ -28,7 +28,10 @@ The vocabulary log-softmax and the sampler after it are compiled too (parity/csr
 parity/sampling.py): the rollout samples with them instead of vLLM's sampler.
 
 All functions are differentiable: the forward is the invariant kernel, the backward plain torch
-math (gradients need not be bit-stable, only the forward log-probs must be). A pure-torch
+math (gradients need not be batch invariant, only the forward log-probs must be), except that
+the element-wise ops' derivatives are computed from the compiled ops too (an element's gradient
+depends on its value alone) and that parity.autograd.ordered_backward fixes the order of the
+linears' input gradients and attention's (the trainer's deterministic_layout). A pure-torch
 reference of each compiled kernel's order lives in the tests.
 """
 
@@ -37,12 +40,19 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from parity import native
-from parity.autograd import InvariantBmm, InvariantLinear, RecomputeAttention, RecomputeGrad
+from parity.autograd import (
+    InvariantBmm,
+    InvariantLinear,
+    RecomputeAttention,
+    RecomputeGrad,
+    ordered,
+)
 
 # Keys per attention block. Queries visit blocks 0..t//KV_BLOCK in order.
 KV_BLOCK = 64
@@ -66,7 +76,7 @@ def _elementwise(name: str, x: torch.Tensor) -> torch.Tensor:
     Invariant by construction: every element runs one fixed sequence of correctly rounded fp32
     operations (exp is our own polynomial, not a vendor's vector math), so its bits are a
     function of its value alone - on any ISA code path, at any position, on any thread.
-    Differentiable: gradients come from the plain torch op.
+    Differentiable: the derivative is computed the same way (_DERIVATIVES).
     """
     reference = _ELEMENTWISE_TORCH[name]
     if x.is_cuda:
@@ -78,12 +88,38 @@ def _elementwise(name: str, x: torch.Tensor) -> torch.Tensor:
         return native.ops().unary(t, name).to(t.dtype)
 
     if torch.is_grad_enabled() and x.requires_grad:
-        return RecomputeGrad.apply(x, forward, reference)
+        return RecomputeGrad.apply(x, forward, reference, _DERIVATIVES[name])
     return forward(x)
 
 
 _ELEMENTWISE_TORCH = {
     "exp": torch.exp, "sigmoid": torch.sigmoid, "silu": F.silu, "softplus": F.softplus, "rsqrt": torch.rsqrt,
+}
+
+
+def _sigmoid_derivative(x: torch.Tensor) -> torch.Tensor:
+    s = sigmoid(x)
+    return s * (1 - s)
+
+
+def _silu_derivative(x: torch.Tensor) -> torch.Tensor:
+    s = sigmoid(x)
+    return s * (1 + x * (1 - s))  # torch's formula
+
+
+def _rsqrt_derivative(x: torch.Tensor) -> torch.Tensor:
+    r = rsqrt(x)
+    return -0.5 * (r * r * r)
+
+
+# Each op's derivative from the compiled ops and correctly rounded steps only, so an element's
+# gradient is a function of its value alone, like its forward. (torch's own backward kernels
+# run a vendor vector exp in their vector loop and libm's in the tail: an element's bits would
+# depend on its position, hence on the tensor's width, e.g. a tensor-parallel rank's share.)
+_DERIVATIVES = {
+    "exp": lambda x: exp(x), "sigmoid": _sigmoid_derivative, "silu": _silu_derivative,
+    "softplus": lambda x: torch.where(x > 20, torch.ones_like(x), sigmoid(x)),  # torch's threshold 20
+    "rsqrt": _rsqrt_derivative,
 }
 
 
@@ -145,7 +181,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k_splits: int = 1,
-    packed: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None, input_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """y = x @ weight.T (+ bias), for x of shape [..., K] and weight [N, K].
 
@@ -156,7 +192,10 @@ def linear(
     parity.tp.row_splits) the chain restarts at each of S equal K-slices and the S partials are
     added in order in fp32 before the one rounding: the order a TP shard over whole slices
     reproduces (`linear_partials` + parity.tp.rank_ordered_sum). Gradients (training only) come
-    from plain GEMMs: they need not be bitwise reproducible across batch shapes, only correct.
+    from plain GEMMs: they need not be bitwise reproducible across batch shapes, only correct;
+    `input_grad(grad_out, weight)` (CPU), when given, computes the input's instead (a caller's
+    fixed-order product: trainer.megatron.layers under parity.autograd.ordered_backward); under
+    ordered_backward the weight's is the compiled GEMM over the tokens in order.
     `packed` (CPU: `pack(weight)`, made by the caller since its last write of the weight) skips
     the per-call pack; without it the weight is packed on every call.
     """
@@ -166,10 +205,18 @@ def linear(
         return _cuda().linear(x, weight, bias, k_splits)
     forward = functools.partial(_linear_fixed_order, k_splits=k_splits, packed=packed)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        out = InvariantLinear.apply(x, weight, forward)
+        weight_grad = _weight_grad_fixed_order if ordered() else None
+        out = InvariantLinear.apply(x, weight, forward, input_grad, weight_grad)
     else:
         out = forward(x, weight)
     return out if bias is None else out + bias
+
+
+def _weight_grad_fixed_order(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad_out^T x [N, K] through the compiled GEMM: each element one FMA chain over the tokens
+    in order, whatever the shapes around it (parity.autograd.ordered_backward)."""
+    g = grad_out.reshape(math.prod(grad_out.shape[:-1]), grad_out.shape[-1]).t().contiguous()
+    return _linear_fixed_order(g, x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).t().contiguous())
 
 
 def linear_partials(
@@ -460,6 +507,68 @@ def _attention_reference(
     return (out.reshape(nq, hq, d) if regular else out[q_seq, q_pos]).to(q.dtype)
 
 
+def _attention_grads_ordered(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
+    scale: float, grad_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attention`'s gradients (q, k, v) in an order fixed by the model (parity.autograd.
+    ordered_backward), in the layouts of `_attention_reference` (each query in its own
+    (sequence, position) slot): see _ordered_attention_backward."""
+    nq, hq, d = q.shape
+    num_seqs, length = k.shape[:2]
+    per_seq = nq // num_seqs if num_seqs else 0
+    regular = per_seq * num_seqs == nq and torch.equal(
+        q_seq, torch.arange(num_seqs).repeat_interleave(per_seq)
+    )
+    if regular:
+        shape = (num_seqs, per_seq, hq, d)
+        qs, gs, pos = q.float().view(shape), grad_out.float().view(shape), q_pos.view(num_seqs, per_seq)
+    elif (q_seq * length + q_pos).unique().numel() == nq:  # placed at their slots of the training layout
+        shape = (num_seqs, length, hq, d)
+        qs = q.new_zeros(shape, dtype=torch.float32).index_put((q_seq, q_pos), q.float())
+        gs = q.new_zeros(shape, dtype=torch.float32).index_put((q_seq, q_pos), grad_out.float())
+        pos = torch.arange(length).expand(num_seqs, length)
+    else:
+        raise ValueError("ordered attention gradients need each query in its own (sequence, position) slot")
+    dq, dk, dv = _ordered_attention_backward(qs, k.float(), v.float(), pos, scale, gs)
+    dq = dq.reshape(nq, hq, d) if regular else dq[q_seq, q_pos]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _ordered_attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, grad_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal attention's backward for q, grad_out [R, Lq, hq, d] at positions q_pos [R, Lq] over
+    k, v [R, L, hkv, d], fp32. Every product is a compiled `bmm` entry of one (sequence, query
+    head) or, for a key's and a value's sums over their KV group, of one (sequence, KV head)
+    with the group's query heads end to end along K; the softmax is recomputed with the
+    compiled exp and row sums, everything else is element-wise. So no bit depends on how many
+    heads share the call (a tensor-parallel rank's share) or on the other sequences."""
+    num_seqs, lq, hq, d = q.shape
+    length, hkv = k.shape[1:3]
+    g = hq // hkv
+    heads = (num_seqs, lq, hkv, g, d)
+    qh = q.view(heads).permute(0, 2, 3, 1, 4)  # [R, hkv, g, Lq, d]
+    go = grad_out.view(heads).permute(0, 2, 3, 1, 4)
+    kh = k.permute(0, 2, 1, 3).unsqueeze(2).expand(num_seqs, hkv, g, length, d)  # [R, hkv, g, L, d]
+    vh = v.permute(0, 2, 1, 3).unsqueeze(2).expand(num_seqs, hkv, g, length, d)
+    masked = torch.arange(length).view(1, 1, 1, 1, length) > q_pos.view(num_seqs, 1, 1, lq, 1)
+    scores = (bmm(qh, kh.transpose(-1, -2)) * scale).masked_fill(masked, -math.inf)  # [R, hkv, g, Lq, L]
+    e = exp(scores - scores.amax(-1, keepdim=True))  # the max is exact in any order
+    p = e / row_sum(e).unsqueeze(-1)
+    dp = bmm(go, vh.transpose(-1, -2))
+    ds = p * (dp - row_sum(dp * p).unsqueeze(-1))
+    dq = bmm(ds, kh) * scale
+
+    def group_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a^T b summed over the group's heads and queries: [R, hkv, L, g * Lq] @ [R, hkv, g * Lq, d]."""
+        return bmm(a.permute(0, 1, 4, 2, 3).reshape(num_seqs, hkv, length, g * lq), b.reshape(num_seqs, hkv, g * lq, d))
+
+    dk = group_sum(ds, qh) * scale
+    dv = group_sum(p, go)
+    return dq.permute(0, 3, 1, 2, 4).reshape(num_seqs, lq, hq, d), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
 def attention_scale(head_dim: int) -> float:
     """The softmax scale, written once so both engines use the same Python float."""
     return head_dim**-0.5
@@ -486,7 +595,8 @@ def attention(
         return _cuda().attention(q, k, v, q_seq, q_pos, scale)
     if not INVARIANT:
         return _attention_reference(q, k, v, q_seq, q_pos, scale)
-    return RecomputeAttention.apply(q, k, v, q_seq, q_pos, scale, _attention_forward, _attention_reference)
+    return RecomputeAttention.apply(q, k, v, q_seq, q_pos, scale, _attention_forward, _attention_reference,
+                                    _attention_grads_ordered)
 
 
 def paged_attention(

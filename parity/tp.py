@@ -26,6 +26,12 @@ is computed on the full input exactly as with TP=1: a column-parallel layer's in
 full (the delta's columns of the rank are then sliced in the shard layout), a row-parallel
 layer's input shards are all-gathered (exact) first and its full delta is added once, after the
 sum. The delta therefore has the bits of the TP=1 delta on both sides, whatever the rank count.
+
+The trainer's ordered backward (deterministic_layout) uses the same construction backward: a
+column-parallel layer's input gradient sums over its output features in `row_splits` slices
+(partials in slice order across the ranks, `rank_ordered_sum`), and a column-parallel
+adapter's output gradient is gathered whole (`unshard_delta_cols`), so every rank computes the
+TP=1 gradients (trainer.megatron.layers).
 """
 
 from __future__ import annotations
@@ -121,6 +127,14 @@ def shard_delta_cols(delta: torch.Tensor, fused: str, rank: int, size: int) -> t
         gate, up = delta.chunk(2, dim=-1)
         return torch.cat([gate.chunk(size, dim=-1)[rank], up.chunk(size, dim=-1)[rank]], dim=-1)
     return delta.chunk(size, dim=-1)[rank]
+
+
+def unshard_delta_cols(shards: list[torch.Tensor], fused: str) -> torch.Tensor:
+    """Inverse of shard_delta_cols over every rank's columns, in rank order."""
+    if fused == "gate_up":
+        halves = [s.chunk(2, dim=-1) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=-1)
+    return torch.cat(shards, dim=-1)
 
 
 def rank_ordered_sum(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -509,6 +509,22 @@ def _check_tensor_parallel(cfg: Config, sources: _Sources, model_dir: Path) -> N
             check_tp(spec, size)
         except ValueError as e:
             raise err(key, str(e)) from None
+    if trainer_tp > 1 and cfg.trainer.deterministic_layout:
+        _check_ordered_vocab(sources, model_dir, trainer_tp)
+
+
+def _check_ordered_vocab(sources: _Sources, model_dir: Path, trainer_tp: int) -> None:
+    """The ordered backward at TP > 1 sums the LM head's input gradient in the model's
+    row_splits slices of the vocabulary: a rank's vocabulary rows must be whole slices."""
+    from parity.model_spec import load_spec
+    from parity.tp import row_splits
+
+    spec = load_spec(model_dir)
+    splits = row_splits(spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
+    if spec.vocab_size % splits:
+        raise sources.error("trainer.deterministic_layout", f"at trainer.tensor_parallel_size {trainer_tp} needs "
+                            f"the vocabulary ({spec.vocab_size}) divisible by the model's row_splits ({splits}); "
+                            "use trainer.tensor_parallel_size 1")
 
 
 def _check_model_fit(cfg: Config, sources: _Sources, model_dir: Path) -> None:

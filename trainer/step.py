@@ -27,8 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parity.autograd import ordered_backward
 from parity.model_spec import KimiSpec, load_spec
 from parity.sampling import Sampling
+from parity.tp import row_splits
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from trainer.ppo import (
     entropy_from_logits,
@@ -171,6 +173,15 @@ class PolicyStep(ABC):
             raise ValueError("trainer.packed_sequences needs trainer.backend megatron, parity on and a "
                              f"dense model (the parity attention takes the packed layout); got "
                              f"{self.config.backend}, parity {parity}, {self.spec.arch}")
+        tp_size = self.config.tensor_parallel_size
+        if self.config.deterministic_layout and tp_size > 1 and not isinstance(self.spec, KimiSpec):
+            s = self.spec
+            splits = row_splits(s.num_heads, s.num_kv_heads, s.intermediate_size)
+            if s.vocab_size % splits:
+                raise ValueError(f"trainer.deterministic_layout at trainer.tensor_parallel_size {tp_size} needs "
+                                 f"the vocabulary ({s.vocab_size}) divisible by the model's row_splits "
+                                 f"({splits}), so that a rank's LM-head rows are whole slices of its "
+                                 "gradient's fixed order")
 
     def _check_configs(self) -> None:
         if self.config.tensor_parallel_size > 1 and not self.lora_config.enabled:
@@ -402,14 +413,18 @@ class PolicyStep(ABC):
         is the minibatch's row order, and summed in that order (ordered_sum).
         The loss is normalised by the minibatch's token count, known before the split. So
         the summed gradient, hence the optimizer step on it, has the same bits at any
-        data_parallel_size and micro_batch_size; only per-sequence forwards are its cost."""
+        data_parallel_size and micro_batch_size; only per-sequence forwards are its cost. The
+        backward runs under parity.autograd.ordered_backward, whose fixed-order input gradients
+        give every tensor-parallel rank the TP = 1 gradient (trainer.megatron.layers), so the
+        tensor_parallel_size does not change the bits either."""
         total_tokens = t["mask"][rows].sum().clamp_min(1.0)
         rank, size = self._data_parallel()
         counts = [len(rank_share(rows, r, size)) for r in range(size)]
         grads, stats, keys = [], [], []
         for row in rank_share(rows, rank, size):
-            loss, parts, weight = self._micro_loss(batch, [row], t, total_tokens)
-            grads.append(self._sample_gradient(loss * weight))
+            with ordered_backward():  # gradients that the tensor-parallel split cannot change
+                loss, parts, weight = self._micro_loss(batch, [row], t, total_tokens)
+                grads.append(self._sample_gradient(loss * weight))
             stats.append(torch.tensor([float(v) * weight.item() for v in parts.values()], dtype=torch.float64))
             keys = list(parts)
         self._install_gradient(ordered_sum(self._gather_rows(torch.stack(grads), counts)))

@@ -1,17 +1,20 @@
 """Layout-invariant training (`trainer.deterministic_layout`) on the Megatron backend: three PPO
 steps (LoRA policy, LoRA critic + value head, KL and entropy terms, two minibatches a step)
-from one fixed batch give the same bits at (data_parallel_size, micro_batch_size) = (1, 1),
-(1, 4), (1, 4) with packed sequences, (2, 1) and (2, 4): the SHA-256 of every trainable tensor and every optimizer tensor,
-and every metric, are equal, and each rank trains its share of tokens (> 0). At
-tensor_parallel_size 2, (DP, micro-batch) = (1, 4) packed and (2, 1) agree with each other on all
-ranks. The ordered step is also the plain step's math: its first step's losses equal the
-plain path's to rounding (the plain path's bits do depend on the micro-batch size).
+from one fixed batch give the same bits at every (data_parallel_size, tensor_parallel_size) of
+(1, 1), (2, 1), (1, 2) and (2, 2), with micro-batch size 1 and 4, padded and packed: the SHA-256
+of every trainable tensor and every optimizer tensor, and every metric, are equal on every rank,
+and each data-parallel rank trains its share of tokens (> 0). A run continues bitwise on another
+layout: 2 steps at (DP 2, TP 1), a checkpoint, 2 steps at (DP 1, TP 2) are 4 steps at (1, 1).
+The ordered step is also the plain step's math: its first step's losses equal the plain path's
+to rounding (the plain path's bits do depend on the micro-batch size).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -63,73 +66,84 @@ def _hashes(trainer) -> dict[str, str]:
     return hashes
 
 
-def _train(path: str, dp: int, micro: int, deterministic: bool = True, tp: int = 1, packed: bool = False) -> dict:
-    """STEPS PPO steps at this layout; the hashes of the state and the stats of every step."""
+def _train(path: str, dp: int, micro: int, deterministic: bool = True, tp: int = 1, packed: bool = False,
+           more: int = 0) -> dict:
+    """STEPS PPO steps at this layout; the hashes of the state and the stats of every step, and
+    with `more`, those of `more` steps after them ("later")."""
     trainer = _trainer(path, dp, micro, deterministic, tp, packed)
     stats = _steps(trainer, STEPS)
     moved = sum(int(v.abs().sum() > 0) for v in trainer.state_dict()["critic"].values())
-    return {"hashes": _hashes(trainer), "stats": stats, "moved": moved}
+    run = {"hashes": _hashes(trainer), "stats": stats, "moved": moved}
+    if more:
+        run["later"] = {"stats": _steps(trainer, more), "hashes": _hashes(trainer)}
+    return run
 
 
-def _rank(rank: int, size: int, tp: int, micros: tuple[int, ...], packed: bool, rendezvous: str, path: str,
-          out: str) -> None:
-    """One process of a world of `size` ranks, `tp` per TP group: that world's layouts. At
-    TP 1 it also writes (rank 0) a checkpoint after STEPS - 1 steps at micro-batch 4."""
-    from trainer.checkpoint import save_checkpoint
+# Each spawned world's layouts (micro-batch size, packed): between them and the reference world
+# of one, every (DP, TP) runs micro-batch 1 padded and 4 packed, (1, 1) also 4 padded and 1 packed.
+WORLD_LAYOUTS = ((1, False), (4, True))
+SAVED = 2  # the steps before the checkpoint that a world of TP 2 resumes from
+
+
+def _rank(rank: int, size: int, tp: int, rendezvous: str, path: str, out: str, checkpoint: str) -> None:
+    """One process of a world of `size` ranks, `tp` per TP group: that world's layouts. At TP 1
+    it also trains SAVED steps at micro-batch 4 and rank 0 writes their checkpoint there; at
+    TP 2 and DP 1 every rank resumes from it for SAVED more steps ("resumed")."""
+    from trainer.checkpoint import load_checkpoint, save_checkpoint, step_dir_name
     from trainer.megatron.patches import init_megatron
     from trainer.megatron.worker import init_world
 
     torch.set_num_threads(1)
     init_world(rank, size, rendezvous)
     init_megatron(tp_size=tp, seed=0)
-    runs = {f"dp{size // tp}-mb{micro}": _train(path, size // tp, micro, True, tp, packed) for micro in micros}
+    dp = size // tp
+    runs = {f"dp{dp}-tp{tp}-mb{micro}{'-packed' * packed}": _train(path, dp, micro, True, tp, packed)
+            for micro, packed in WORLD_LAYOUTS}
     if tp == 1:
-        trainer = _trainer(path, size, 4)
-        _steps(trainer, STEPS - 1)
+        trainer = _trainer(path, dp, 4)
+        _steps(trainer, SAVED)
         if rank == 0:
-            save_checkpoint(Path(out), STEPS - 1, trainer, {"step": STEPS - 1}, keep=1)
+            save_checkpoint(Path(checkpoint), SAVED, trainer, {"step": SAVED}, keep=1)
+    elif dp == 1:
+        trainer = _trainer(path, dp, 4, tp=tp)
+        load_checkpoint(Path(checkpoint) / "checkpoints" / step_dir_name(SAVED), trainer)
+        runs["resumed"] = {"stats": _steps(trainer, SAVED), "hashes": _hashes(trainer)}
     torch.save(runs, os.path.join(out, f"rank{rank}.pt"))
 
 
-def _world(path: str, tmp, size: int, tp: int = 1, micros: tuple[int, ...] = (1, 4), packed: bool = False
-           ) -> list[dict]:
+def _world(path: str, tmp, size: int, tp: int) -> list[dict]:
     out = tmp / f"world{size}-tp{tp}"
     out.mkdir()
-    mp.spawn(_rank, nprocs=size, join=True, args=(size, tp, micros, packed, str(out / "store"), path, str(out)))
+    args = (size, tp, str(out / "store"), path, str(out), str(tmp / "checkpoint"))
+    mp.spawn(_rank, nprocs=size, join=True, args=args)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(size)]
 
 
 @pytest.fixture(scope="module")
-def runs(model_factory, tmp_path_factory, megatron):
-    """(DP, micro-batch) = (1, 1), (1, 4), (1, 4) with packed sequences and the plain step here
-    (a world of one, torch's default thread count), then (2, 1) and (2, 4) on 2 spawned ranks
-    (one thread each)."""
+def runs(model_factory, tmp_path_factory, megatron) -> dict[str, dict]:
+    """Every layout's run by name (a spawned world's once per rank), the plain step's
+    ("plain-mb4") and the resumed run's ("resumed", per rank). Here, a world of one (torch's
+    default thread count): (1, 1) at micro-batch 1 (STEPS + 1 steps: the resume's reference), 4,
+    4 packed and 1 packed; then worlds of (DP, TP) = (2, 1), (1, 2) and (2, 2) on spawned ranks
+    (one thread each), in that order (the second resumes from the first's checkpoint)."""
     path = model_factory("llama", "fp32")
-    one = {"dp1-mb1": _train(path, 1, 1, True), "dp1-mb4": _train(path, 1, 4, True),
-           "dp1-mb4-packed": _train(path, 1, 4, True, packed=True), "plain-mb4": _train(path, 1, 4, False)}
+    out = {"dp1-tp1-mb1": _train(path, 1, 1, more=SAVED * 2 - STEPS), "dp1-tp1-mb4": _train(path, 1, 4),
+           "dp1-tp1-mb4-packed": _train(path, 1, 4, packed=True), "dp1-tp1-mb1-packed": _train(path, 1, 1, packed=True),
+           "plain-mb4": _train(path, 1, 4, False)}
     tmp = tmp_path_factory.mktemp("trainer-dp")
-    rank0, rank1 = _world(path, tmp, 2)
-    return one, (rank0, rank1), path, tmp / "world2-tp1"
+    for size, tp in ((2, 1), (2, 2), (4, 2)):
+        for r, ranks in enumerate(_world(path, tmp, size, tp)):
+            out.update({f"rank{r}-{k}" if k != "resumed" else f"resumed-rank{r}": v for k, v in ranks.items()})
+    return out
 
 
-@pytest.fixture(scope="module")
-def tp_runs(model_factory, tmp_path_factory) -> list[dict]:
-    """(DP, TP, micro-batch) = (1, 2, 4) with packed sequences and (2, 2, 1) padded: every rank's run."""
-    path = model_factory("llama", "fp32")
-    tmp = tmp_path_factory.mktemp("trainer-dp-tp")
-    return [run for world in (_world(path, tmp, 2, 2, (4,), packed=True), _world(path, tmp, 4, 2, (1,)))
-            for ranks in world for run in ranks.values()]
-
-
-def _layouts(runs) -> dict[str, dict]:
-    one, (rank0, rank1), _, _ = runs
-    return {"dp1-mb1": one["dp1-mb1"], "dp1-mb4": one["dp1-mb4"], "dp1-mb4-packed": one["dp1-mb4-packed"],
-            **{f"rank{r}-{k}": v for r, ranks in enumerate((rank0, rank1)) for k, v in ranks.items()}}
+def _layouts(runs: dict[str, dict]) -> dict[str, dict]:
+    return {k: v for k, v in runs.items() if not k.startswith(("plain", "resumed"))}
 
 
 def test_state_hashes_are_identical_on_every_layout(runs):
     layouts = _layouts(runs)
-    reference = layouts["dp1-mb1"]
+    reference = layouts["dp1-tp1-mb1"]
     assert reference["moved"] > 0  # the critic (zero-initialised head) was trained
     assert len(reference["hashes"]) > 50  # every LoRA A/B of policy and critic, head, Adam state
     for name, run in layouts.items():
@@ -138,7 +152,7 @@ def test_state_hashes_are_identical_on_every_layout(runs):
 
 def test_metrics_are_identical_on_every_layout(runs):
     layouts = _layouts(runs)
-    reference = layouts["dp1-mb1"]["stats"]
+    reference = layouts["dp1-tp1-mb1"]["stats"]
     for name, run in layouts.items():
         for step, (ref, got) in enumerate(zip(reference, run["stats"], strict=True)):
             ref = {k: v for k, v in ref.items() if not k.startswith(LAYOUT_KEY)}
@@ -147,11 +161,12 @@ def test_metrics_are_identical_on_every_layout(runs):
 
 
 def test_each_rank_trains_a_share_of_the_tokens(runs):
-    _, (rank0, _), _, _ = runs
-    for micro in (1, 4):
-        for stats in rank0[f"dp2-mb{micro}"]["stats"]:
+    data_parallel = [k for k in runs if "-dp2-" in k]
+    assert len(data_parallel) == 12  # 2 + 4 ranks, 2 layouts each
+    for name in data_parallel:
+        for stats in runs[name]["stats"]:
             shares = [stats[f"{LAYOUT_KEY}{r}"] for r in range(2)]
-            assert all(s > 0 for s in shares), shares
+            assert all(s > 0 for s in shares), (name, shares)
             # Each optimizer step's minibatch is split whole: the shares add up to its tokens.
             per_minibatch = stats["train/response_tokens"] / stats["train/optimizer_steps"]
             assert sum(shares) == pytest.approx(per_minibatch)
@@ -159,40 +174,24 @@ def test_each_rank_trains_a_share_of_the_tokens(runs):
 
 def test_ordered_step_is_the_plain_steps_math(runs):
     """Same loss and gradient as the plain micro-batched step, up to the summation order."""
-    one = runs[0]
-    ordered, plain = one["dp1-mb4"]["stats"][0], one["plain-mb4"]["stats"][0]
+    ordered, plain = runs["dp1-tp1-mb4"]["stats"][0], runs["plain-mb4"]["stats"][0]
     for k in ("ppo/policy_loss", "critic/value_loss", "ppo/grad_norm", "critic/grad_norm", "ppo/entropy"):
         assert ordered[k] == pytest.approx(plain[k], rel=1e-4, abs=1e-7), k
-    assert one["plain-mb4"]["hashes"] != one["dp1-mb4"]["hashes"]  # the plain path's own bits
+    assert runs["plain-mb4"]["hashes"] != runs["dp1-tp1-mb4"]["hashes"]  # the plain path's own bits
 
 
 def test_resume_on_another_layout_continues_the_run(runs):
-    """STEPS - 1 steps at (DP 2, micro-batch 4), rank 0's checkpoint, then 1 step at (DP 1,
-    micro-batch 1) in this process: bitwise STEPS steps at (1, 1), state and metrics."""
-    from trainer.checkpoint import load_checkpoint, step_dir_name
-
-    one, _, path, out = runs
-    trainer = _trainer(path, 1, 1)
-    load_checkpoint(out / "checkpoints" / step_dir_name(STEPS - 1), trainer)
-    (last,) = _steps(trainer, 1)
-    assert _hashes(trainer) == one["dp1-mb1"]["hashes"]
-    assert last == one["dp1-mb1"]["stats"][-1]
+    """SAVED steps at (DP 2, TP 1), rank 0's checkpoint, then SAVED steps at (DP 1, TP 2) on
+    both ranks: bitwise 2 * SAVED steps at (1, 1), state and metrics."""
+    reference = runs["dp1-tp1-mb1"]
+    later = reference["stats"][SAVED:] + reference["later"]["stats"]
+    for r in range(2):
+        resumed = runs[f"resumed-rank{r}"]
+        assert resumed["hashes"] == reference["later"]["hashes"], r
+        assert resumed["stats"] == later, r
 
 
-def test_data_parallel_composes_with_tensor_parallel(tp_runs):
-    """At TP = 2, DP 1 or 2, any micro-batch size, padded or packed give the same bits on every rank. (Not
-    TP = 1's bits: the TP backward is still plain torch, whose gradient reductions across the
-    TP ranks round differently; see docs/trainer_scale.md.)"""
-    reference = tp_runs[0]
-    assert len(tp_runs) == 6  # 2 ranks of (1, 2) + 4 ranks of (2, 2)
-    for run in tp_runs:
-        assert run["hashes"] == reference["hashes"]
-        for ref, got in zip(reference["stats"], run["stats"], strict=True):
-            assert {k: v for k, v in got.items() if not k.startswith(LAYOUT_KEY)} == \
-                {k: v for k, v in ref.items() if not k.startswith(LAYOUT_KEY)}
-
-
-def test_trainer_refuses_what_it_cannot_keep(model_factory, megatron):
+def test_trainer_refuses_what_it_cannot_keep(model_factory, megatron, tmp_path):
     from trainer.megatron.policy import PolicyTrainer
 
     path = model_factory("llama", "fp32")
@@ -205,3 +204,12 @@ def test_trainer_refuses_what_it_cannot_keep(model_factory, megatron):
         PolicyTrainer(path, trainer=TrainerConfig(data_parallel_size=2, deterministic_layout=True))
     with pytest.raises(ValueError, match="packed_sequences needs trainer.backend megatron, parity on"):
         PolicyTrainer(path, parity=False, trainer=TrainerConfig(packed_sequences=True))
+    # A vocabulary the model's row_splits (2) does not divide: a rank's LM-head rows would cut
+    # a slice of the gradient's order (refused before any model is built).
+    odd = tmp_path / "odd-vocab"
+    shutil.copytree(path, odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] - 1}))
+    with pytest.raises(ValueError, match=r"needs the vocabulary \(511\) divisible by the model's row_splits \(2\)"):
+        PolicyTrainer(odd, lora=LoraConfig(enabled=True),
+                      trainer=TrainerConfig(tensor_parallel_size=2, deterministic_layout=True))

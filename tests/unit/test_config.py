@@ -380,6 +380,24 @@ def test_data_parallel_config_loads(write) -> None:
     assert (cfg.trainer.data_parallel_size, cfg.trainer.deterministic_layout) == (2, True)
 
 
+def test_ordered_tensor_parallel_needs_whole_vocabulary_slices(write, model_dir: Path) -> None:
+    """trainer.deterministic_layout at trainer TP 2: the LM head's gradient is summed in
+    row_splits (gcd of heads, KV heads, intermediate = 2 here) slices of the vocabulary."""
+    shape = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128}
+    body = "lora:\n  enabled: true\ntrainer:\n  tensor_parallel_size: 2\n  deterministic_layout: true\n"
+    for vocab, refused in ((512, False), (511, True)):
+        config = {"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, **shape}
+        (model_dir / "config.json").write_text(json.dumps(config))
+        path = write(body)
+        if refused:
+            assert error(path) == (f"{path}:8: trainer.deterministic_layout: at trainer.tensor_parallel_size 2 "
+                                   "needs the vocabulary (511) divisible by the model's row_splits (2); use "
+                                   "trainer.tensor_parallel_size 1")
+        else:
+            assert load_config(path).trainer.tensor_parallel_size == 2
+
+
 def test_env_config_loads(write) -> None:
     cfg = load_config(write("env:\n  name: tools\n  kwargs: {tools: [calculator, python]}\n"
                             "rollout:\n  max_turns: 4\n  max_trajectory_tokens: 256\n"))

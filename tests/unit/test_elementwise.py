@@ -136,6 +136,23 @@ def test_gradients_are_torchs(fn):
     assert torch.equal(g, torch.arange(7.0).view(7, 1).expand(7, 33))
 
 
+@pytest.mark.parametrize("fn", OPS)
+def test_an_elements_gradient_depends_on_its_value_alone(fn):
+    """The derivative is compiled too: an element's gradient has the same bits in a tensor of
+    any width, at any position (a tensor-parallel rank's share of the features is narrower)."""
+    x = _randn(7, 5, 203) * 3
+    x = x.abs() + 0.1 if fn == "rsqrt" else x
+    grad_out = _randn(8, 5, 203)
+
+    def grad(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        t = t.clone().requires_grad_()
+        return torch.autograd.grad(getattr(kernels, fn)(t), t, g)[0]
+
+    whole = grad(x, grad_out)
+    for start, stop in ((0, 101), (101, 203), (3, 20), (50, 51)):
+        assert torch.equal(grad(x[:, start:stop], grad_out[:, start:stop]), whole[:, start:stop]), (start, stop)
+
+
 def _exp_reference(x: torch.Tensor) -> torch.Tensor:
     """exp as parity/csrc/elementwise.cpp writes it, in torch fp32 ops (each correctly rounded)."""
     f = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731

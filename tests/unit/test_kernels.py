@@ -4,6 +4,8 @@ form. Equality is torch.equal, never a tolerance."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -295,6 +297,71 @@ def test_attention_matches_dense_reference_and_has_gradients():
     for g, t in zip(grads, (q, k, v), strict=True):
         assert (g - t.grad).abs().max() < 1e-4
 
+
+
+def test_ordered_attention_gradients_do_not_depend_on_the_heads_beside():
+    """Under ordered_backward a KV head's gradients (its query heads', its keys' and values') are
+    those of the KV head alone: a tensor-parallel rank holding some of the heads computes the
+    same bits as TP = 1. They are the plain backward's up to rounding."""
+    from parity.autograd import ordered_backward
+
+    hkv, g = 4, 3
+    q = _randn(0, 40, hkv * g, 16).requires_grad_()
+    k = _randn(1, 1, 40, hkv, 16).requires_grad_()
+    v = _randn(2, 1, 40, hkv, 16).requires_grad_()
+    seq, pos = torch.zeros(40, dtype=torch.long), torch.arange(40)
+    weight = _randn(3, 40, hkv * g, 16)
+
+    def grads(q, k, v, weight, ordered=True):
+        with ordered_backward() if ordered else contextlib.nullcontext():
+            out = kernels.attention(q, k, v, seq, pos, 0.25)
+        return torch.autograd.grad((out * weight).sum(), (q, k, v))
+
+    whole = grads(q, k, v, weight)
+    for first, count in ((0, 1), (1, 2), (2, 2)):  # a rank's consecutive KV heads
+        heads = slice(first * g, (first + count) * g)
+        part = grads(q[:, heads].detach().requires_grad_(), k[:, :, first : first + count].detach().requires_grad_(),
+                     v[:, :, first : first + count].detach().requires_grad_(), weight[:, heads])
+        assert torch.equal(part[0], whole[0][:, heads])
+        for got, want in zip(part[1:], whole[1:], strict=True):
+            assert torch.equal(got, want[:, :, first : first + count])
+    for got, want in zip(whole, grads(q, k, v, weight, ordered=False), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_ordered_weight_gradient_is_one_chain_over_the_tokens():
+    """Under ordered_backward a linear's weight gradient is the compiled GEMM's order over the
+    tokens (linear_reference: one fp32 FMA chain per element, k = token 0, 1, ...), whatever the
+    batch's shape: the tokens of [3, 50] and of [150] give the same bits."""
+    from parity.autograd import ordered_backward
+
+    x, grad_out = _randn(0, 3, 50, 40), _randn(1, 3, 50, 24)
+    w = _randn(2, 24, 40).requires_grad_()
+    want = kernels.linear_reference(grad_out.reshape(150, 24).t().contiguous(), x.reshape(150, 40).t().contiguous())
+    for shape in ((3, 50), (150,)):
+        with ordered_backward():
+            y = kernels.linear(x.reshape(*shape, 40), w)
+        (got,) = torch.autograd.grad(y, w, grad_out.reshape(*shape, 24))
+        assert torch.equal(got, want), shape
+
+
+def test_ordered_attention_gradients_take_packed_queries():
+    """Ragged sequences' queries end to end (packed training): the ordered gradients are the
+    reference's up to rounding."""
+    from parity.autograd import ordered_backward
+
+    lengths = (7, 12, 1)
+    q = _randn(3, sum(lengths), 4, 16).requires_grad_()
+    k = _randn(4, 3, 12, 2, 16).requires_grad_()
+    v = _randn(5, 3, 12, 2, 16).requires_grad_()
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    with ordered_backward():
+        out = kernels.attention(q, k, v, seq, pos, 0.25)
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = kernels._attention_reference(q, k, v, seq, pos, 0.25)
+    for g, want in zip(got, torch.autograd.grad(ref.square().sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(g, want)
 
 
 def test_attention_gradient_reference_takes_packed_queries():

@@ -1,7 +1,11 @@
 """Megatron-core modules whose arithmetic is the parity kernels.
 
 Each class subclasses or mirrors the Megatron module it replaces and changes only the math:
-the tensor-parallel plumbing (region copies, gathers, all-reduces) stays Megatron's.
+the tensor-parallel plumbing (region copies, gathers, all-reduces) stays Megatron's, except
+under parity.autograd.ordered_backward (the trainer's deterministic_layout), where the parity
+linears build one autograd graph at every TP size and compute every input gradient in an order
+fixed by the model (`row_splits` slices of the output features, partials added in slice order,
+as the row-parallel forward does), so TP = 1 and TP = N train the same bits.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parity import kernels, tp
-from parity.autograd import InvariantLinear
+from parity.autograd import InvariantLinear, ordered
 
 
 def _parity_linear(input, weight, bias, allreduce_dgrad, tp_group, packed=None, **_):
@@ -49,6 +53,23 @@ class _FrozenPack:
         if held is None or held[0] is not weight or weight.requires_grad:
             return None
         return held[1]
+
+    _dgrad_pack: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def dgrad_operand(self, weight: torch.Tensor, arrange) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`arrange(weight)` (the weight laid out as the input gradient's product takes it,
+        [K, N']) and its pack, for `kernels.linear(grad, operand, packed=pack)`. A frozen
+        weight's are kept from its first backward on (it is never written again, as for
+        `packed`): the operand is then a zero-stride stand-in, which the GEMM reads only for
+        its shape and dtype, so only the pack is held. A trainable weight's are made per call."""
+        held = self._dgrad_pack
+        if held is not None and held[0] is weight and not weight.requires_grad:
+            return held[1], held[2]
+        arranged = arrange(weight.detach()).contiguous()
+        packed = kernels.pack(arranged)
+        if not weight.requires_grad and packed is not None:
+            self._dgrad_pack = (weight, arranged.new_zeros(()).expand(arranged.shape), packed)
+        return arranged, packed
 
 
 def pack_frozen_weights(model: torch.nn.Module) -> int:
@@ -109,6 +130,60 @@ def row_splits(config: TransformerConfig) -> int:
                          config.ffn_hidden_size)
 
 
+def _ordered_here(x: torch.Tensor) -> bool:
+    """A forward whose backward is ordered (parity.autograd.ordered_backward; the CPU kernels)."""
+    return ordered() and torch.is_grad_enabled() and not x.is_cuda
+
+
+def _ordered_product(
+    x: torch.Tensor, weight: torch.Tensor, splits: int, group, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T with K cut into `splits` equal slices (fixed by the model), each one fp32
+    FMA chain, their partials added in slice order in fp32 and rounded once: inside the GEMM at
+    TP = 1, across the ranks (each holding splits / N consecutive slices) by
+    _rank_ordered_linear at TP = N. The same bits at every TP size."""
+    if group.size() == 1:
+        return kernels.linear(x, weight, k_splits=splits, packed=packed)
+    return _rank_ordered_linear(x, weight, splits // group.size(), group, packed)
+
+
+def _dgrad_columns(t: torch.Tensor, slices: int, glu: bool) -> torch.Tensor:
+    """A column-parallel layer's local output features (t's last dim) in the order its input
+    gradient sums them: `slices` equal slices, for [gate; up] slice j being gate chunk j then
+    up chunk j (so a rank's [gate_r; up_r] holds whole slices of the TP = 1 order), zero-padded
+    at the end to a multiple of `slices` (a vocabulary that does not split evenly: zero terms
+    leave an FMA chain's sum as it is)."""
+    if glu:
+        t = t.unflatten(-1, (2, slices, -1)).transpose(-3, -2).flatten(-3)
+    pad = -t.shape[-1] % slices
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
+
+
+class _ShardColumns(torch.autograd.Function):
+    """A replicated adapter's full delta -> this rank's columns of it (tp.shard_delta_cols).
+    Backward: every rank's column gradients all-gathered (a copy) into the full layout, so each
+    rank holds the whole delta's gradient and computes the adapter's gradients and its input
+    gradient whole, as TP = 1 does, instead of summing per-rank shares across ranks."""
+
+    @staticmethod
+    def forward(ctx, delta, fused, group):
+        ctx.fused, ctx.group = fused, group
+        if group.size() == 1:
+            return delta.clone()
+        return tp.shard_delta_cols(delta, fused, group.rank(), group.size())
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        if ctx.group.size() == 1:
+            return grad, None, None
+        grad = grad.contiguous()
+        parts = [torch.empty_like(grad) for _ in range(ctx.group.size())]
+        dist.all_gather(parts, grad, group=ctx.group)
+        return tp.unshard_delta_cols(parts, ctx.fused), None, None
+
+
 def _rank_ordered_linear(
     x: torch.Tensor, weight: torch.Tensor, k_splits: int, group, packed: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -123,10 +198,14 @@ def _rank_ordered_linear(
 
 
 class ParityColumnParallelLinear(_FrozenPack, _LoRAMixin, ColumnParallelLinear):
+    glu = False  # output features [gate; up] (ParityGateUpLinear)
+
     def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, tp_group=None, **kw):
         return _parity_linear(input, weight, bias, allreduce_dgrad, tp_group, packed=self.packed(weight))
 
     def forward(self, input_, *args, **kwargs):
+        if _ordered_here(input_):
+            return self._ordered_forward(input_, *args, **kwargs)
         adapter = self.active_adapter()
         if self.tp_group.size() == 1 or adapter is None:
             return super().forward(input_, *args, **kwargs)
@@ -139,6 +218,37 @@ class ParityColumnParallelLinear(_FrozenPack, _LoRAMixin, ColumnParallelLinear):
         rank, size = self.tp_group.rank(), self.tp_group.size()
         return out + tp.shard_delta_cols(delta, adapter.fused, rank, size), bias
 
+    def _ordered_forward(self, input_, weight=None, runtime_gather_output=None):
+        """The forward's bits, in one graph at every TP size (no region copy, whose backward
+        all-reduces): the base's input gradient from _ordered_dgrad, the adapter's delta on the
+        full input with its gradient gathered whole on every rank (_ShardColumns)."""
+        assert self.bias is None and not self.sequence_parallel
+        weight = self.weight if weight is None else weight
+        out = kernels.linear(input_, weight, packed=self.packed(weight), input_grad=self._ordered_dgrad)
+        adapter = self.active_adapter()
+        delta = adapter.delta(input_) if adapter is not None else None
+        if delta is not None:
+            out = out + _ShardColumns.apply(delta, adapter.fused, self.tp_group)
+        if self.gather_output if runtime_gather_output is None else runtime_gather_output:
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return out, None
+
+    def _ordered_dgrad(self, grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """grad_out @ weight, a sum over the output features: in `row_splits` slices of the
+        TP = 1 layout (_dgrad_columns), a rank's slices computed here, every slice's fp32
+        partial added in slice order across the ranks (_ordered_product). Nothing in the order
+        depends on the TP size."""
+        splits = row_splits(self.config)
+        local = splits // self.tp_group.size()
+        operand, packed = self.dgrad_operand(weight, lambda w: _dgrad_columns(w.t(), local, self.glu))
+        return _ordered_product(_dgrad_columns(grad_out, local, self.glu), operand, splits, self.tp_group, packed)
+
+
+class ParityGateUpLinear(ParityColumnParallelLinear):
+    """linear_fc1 of the MLP: output features [gate; up], a rank's [gate_r; up_r]."""
+
+    glu = True
+
 
 class ParityRowParallelLinear(_FrozenPack, _LoRAMixin, RowParallelLinear):
     def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, tp_group=None, **kw):
@@ -146,6 +256,8 @@ class ParityRowParallelLinear(_FrozenPack, _LoRAMixin, RowParallelLinear):
         return kernels.linear(input, weight, bias, k_splits=row_splits(self.config), packed=self.packed(weight))
 
     def forward(self, input_):
+        if _ordered_here(input_):
+            return self._ordered_forward(input_)
         if self.tp_group.size() == 1:
             return super().forward(input_)
         # TP: the rank's partial product, then the deterministic rank-ordered sum in place of
@@ -166,6 +278,28 @@ class ParityRowParallelLinear(_FrozenPack, _LoRAMixin, RowParallelLinear):
             if delta is not None:
                 out = out + delta
         return out, None
+
+    def _ordered_forward(self, input_):
+        """The forward's bits, in one graph at every TP size, with the input gradient of
+        _ordered_dgrad; the adapter as in `forward`, its gradients whole on every rank (the
+        output, hence its gradient, is replicated)."""
+        assert self.input_is_parallel and not self.sequence_parallel and self.bias is None
+        forward = functools.partial(_ordered_product, splits=row_splits(self.config), group=self.tp_group,
+                                    packed=self.packed(self.weight))
+        out = InvariantLinear.apply(input_, self.weight, forward, self._ordered_dgrad)
+        adapter = self.active_adapter()
+        if adapter is not None:
+            delta = adapter.delta(gather_from_tensor_model_parallel_region(input_, group=self.tp_group))
+            if delta is not None:
+                out = out + delta
+        return out, None
+
+    def _ordered_dgrad(self, grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """grad_out @ weight, a sum over the (replicated) output features: one FMA chain per
+        element through the compiled GEMM, the same chain whatever input columns the rank
+        holds."""
+        operand, packed = self.dgrad_operand(weight, lambda w: w.t())
+        return kernels.linear(grad_out, operand, packed=packed)
 
 
 class ParityRMSNorm(torch.nn.Module):

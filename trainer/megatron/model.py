@@ -38,6 +38,7 @@ from trainer.megatron.convert import hf_to_megatron, shard_megatron_state
 from trainer.megatron.layers import (
     ParityColumnParallelLinear,
     ParityCoreAttention,
+    ParityGateUpLinear,
     ParityRMSNorm,
     ParityRowParallelLinear,
     _FrozenPack,
@@ -161,7 +162,7 @@ def parity_block_spec(spec: ModelSpec) -> TransformerBlockSubmodules:
             mlp=ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(
-                    linear_fc1=ParityColumnParallelLinear, linear_fc2=ParityRowParallelLinear
+                    linear_fc1=ParityGateUpLinear, linear_fc2=ParityRowParallelLinear
                 ),
             ),
             mlp_bda=get_bias_dropout_add,

@@ -92,6 +92,10 @@ class PolicyTrainer(PolicyStep):
         kv_cache_dtype: str = "auto",  # the rollout's cache format, whose rounding the model repeats
     ):
         self._settings(model_dir, dtype, parity, lora, trainer, algorithm, sampling)
+        tp_size = self.config.tensor_parallel_size
+        if self.config.deterministic_layout and tp_size > 1 and torch.cuda.is_available():
+            raise ValueError(f"trainer.deterministic_layout at trainer.tensor_parallel_size {tp_size} runs on "
+                             "the CPU only: its ordered backward is the compiled CPU kernels'")
         self._dp = _data_parallel_rank(self.config.data_parallel_size)
         self.model = load_model(model_dir, dtype, parity, tp_size=self.config.tensor_parallel_size,
                                 kv_cache_dtype=kv_cache_dtype)
@@ -120,7 +124,10 @@ class PolicyTrainer(PolicyStep):
             self._critic = lora_lib.adapter_parameters(self.frozen, CRITIC_ADAPTER) + [
                 (f"value_head.{n}", p) for n, p in self.value_head.named_parameters()
             ]
-        self._partial_grads = tp_partial_grad_params(self.model) if self.config.tensor_parallel_size > 1 else []
+        # The ordered step (deterministic_layout) computes every adapter gradient whole on
+        # every rank (trainer.megatron.layers): nothing is left to sum across the TP ranks.
+        sharded = tp_size > 1 and not self.config.deterministic_layout
+        self._partial_grads = tp_partial_grad_params(self.model) if sharded else []
         # Frozen weights (the LoRA base, a full fine-tune's reference copy) are never written
         # again: the compiled GEMM's packs of them are made once, here, not on every forward.
         for model in {id(m): m for m in (self.model, self.frozen) if m is not None}.values():
@@ -222,9 +229,10 @@ class PolicyTrainer(PolicyStep):
         return stats
 
     def _reduce_tp_grads(self) -> None:
-        """TP > 1: sum the adapter gradients that each rank holds only a share of (see
-        tp_partial_grad_params), so every rank steps its replica of the adapters with the full
-        gradient and the replicas stay identical (an all-reduce hands every rank the same sum)."""
+        """TP > 1 (the plain step): sum the adapter gradients that each rank holds only a share
+        of (see tp_partial_grad_params), so every rank steps its replica of the adapters with the
+        full gradient and the replicas stay identical (an all-reduce hands every rank the same
+        sum). The ordered step has none to sum."""
         if not self._partial_grads:
             return
         import torch.distributed as dist
