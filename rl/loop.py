@@ -162,8 +162,7 @@ class Run:
 
         from rl.cluster import TrainerGroup, placement_group
         from rollout.worker import RolloutWorker
-        from trainer.backend import get_backend
-        from trainer.distributed import Rendezvous
+        from trainer.backend import get_backend, new_rendezvous
 
         world = trainer_ranks(cfg)
         gpus = cfg.ray.gpus_per_actor
@@ -173,7 +172,7 @@ class Run:
                             # JIT-built C++ ops (deepspeed_cpu_adam) are cached in the run dir.
                             "TORCH_EXTENSIONS_DIR": str(Path(cfg.run_dir) / "torch_extensions")}}
         # Where the ranks' torch.distributed meets, on whichever nodes the ranks are placed.
-        rendezvous = ray.remote(Rendezvous).options(num_cpus=0).remote() if world > 1 else None
+        rendezvous = new_rendezvous() if world > 1 else None
         ranks = [
             ray.remote(get_backend(cfg.trainer.backend).worker_class())
             .options(num_cpus=1, num_gpus=gpus,

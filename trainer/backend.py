@@ -8,6 +8,7 @@ checker reach a backend only through here, by its name in `trainer.backend` (the
     backend.score(setup, ...)     re-score token sequences into per-token log-probs
                                   (`kimi-rl parity check`; tensor-parallel ranks or ZeRO inside)
     backend.check_config(...)     what the config check must ask the backend itself
+    new_rendezvous()              where one start's trainer ranks meet (a Ray actor)
 
 `BACKENDS` names each backend's class as "module:attr", imported on first use, so importing
 this module imports neither room (trainer/megatron/, trainer/deepspeed/) nor megatron-core nor
@@ -98,7 +99,8 @@ class Backend(ABC):
     @abstractmethod
     def worker_class(self) -> type[TrainerWorker]:
         """The Ray actor class; the loop constructs it with (model_path, dtype, parity=, lora=,
-        trainer=, algorithm=, seed=, sampling=[, rank=, rendezvous= at TP > 1])."""
+        trainer=, algorithm=, seed=, sampling=[, rank=, rendezvous= (new_rendezvous()) at more
+        than one rank])."""
 
     @abstractmethod
     def score(
@@ -121,3 +123,13 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"trainer.backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     module, _, attr = BACKENDS[name].partition(":")
     return getattr(importlib.import_module(module), attr)()
+
+
+def new_rendezvous():
+    """A fresh trainer.distributed.Rendezvous actor (no CPU of its own) for the ranks of one
+    start: torch.distributed's store over Ray, so the ranks may be on any nodes."""
+    import ray
+
+    from trainer.distributed import Rendezvous
+
+    return ray.remote(Rendezvous).options(num_cpus=0).remote()
