@@ -345,17 +345,26 @@ def test_ordered_weight_gradient_is_one_chain_over_the_tokens():
         assert torch.equal(got, want), shape
 
 
-def test_ordered_attention_gradients_take_packed_queries():
-    """Ragged sequences' queries end to end (packed training): the ordered gradients are the
-    reference's up to rounding."""
-    from parity.autograd import ordered_backward
+PACKED_LENGTHS = (7, 12, 1)
 
-    lengths = (7, 12, 1)
+
+def _packed_attention_inputs():
+    """(q, k, v, seq, pos): three ragged sequences' queries end to end, as packed training has them."""
+    lengths = PACKED_LENGTHS
     q = _randn(3, sum(lengths), 4, 16).requires_grad_()
     k = _randn(4, 3, 12, 2, 16).requires_grad_()
     v = _randn(5, 3, 12, 2, 16).requires_grad_()
     seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
     pos = torch.cat([torch.arange(n) for n in lengths])
+    return q, k, v, seq, pos
+
+
+def test_ordered_attention_gradients_take_packed_queries():
+    """Ragged sequences' queries end to end (packed training): the ordered gradients are the
+    reference's up to rounding."""
+    from parity.autograd import ordered_backward
+
+    q, k, v, seq, pos = _packed_attention_inputs()
     with ordered_backward():
         out = kernels.attention(q, k, v, seq, pos, 0.25)
     got = torch.autograd.grad(out.square().sum(), (q, k, v))
@@ -367,19 +376,14 @@ def test_ordered_attention_gradients_take_packed_queries():
 def test_attention_gradient_reference_takes_packed_queries():
     """Queries of ragged sequences given end to end (packed training): the reference computes
     each as the sequence alone does, gradients included (not bitwise: a plain-torch backward)."""
-    lengths = (7, 12, 1)
-    q = _randn(3, sum(lengths), 4, 16).requires_grad_()
-    k = _randn(4, 3, 12, 2, 16).requires_grad_()
-    v = _randn(5, 3, 12, 2, 16).requires_grad_()
-    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
-    pos = torch.cat([torch.arange(n) for n in lengths])
+    q, k, v, seq, pos = _packed_attention_inputs()
     packed = kernels._attention_reference(q, k, v, seq, pos, 0.25)
     packed.square().sum().backward()
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
     first = 0
-    for r, n in enumerate(lengths):
+    for r, n in enumerate(PACKED_LENGTHS):
         alone = kernels._attention_reference(q[first : first + n], k[r : r + 1, :n], v[r : r + 1, :n],
                                              torch.zeros(n, dtype=torch.long), torch.arange(n), 0.25)
         torch.testing.assert_close(packed[first : first + n], alone)
