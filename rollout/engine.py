@@ -17,15 +17,12 @@ engine samples with parity.sampling (rollout/sampler.py, installed through
 rollout/vllm_patches.py): each token a pure function of its request's key, its position and its
 logits, never of an RNG; a stock engine (parity off) keeps vLLM's sampler and its global RNG.
 
-Prefix caching is on for parity engines on the CPU (`prefix_caching`; a GPU engine keeps it off
-until it is tested there): a cached prompt
+Prefix caching is on for parity Llama / Qwen3 engines on the CPU (`prefix_caching`; a GPU
+engine keeps it off until it is tested there): a cached prompt
 block's keys and values are the bits the same tokens would get computed again (every kernel
 gives a row the same bits in any batch, and attention walks the same 64-key blocks from
-position 0), so a warm cache changes no log-prob. The Kimi models' KDA layers run in vLLM's
-hybrid "align" mode: each block boundary a chunk ends at keeps the conv and recurrent state
-after exactly those tokens, cached with the block, and a hit continues from that state (the
-recurrence runs token by token, so it is the state a cold run carries there; rollout/kimi.py).
-`prefix_hits` counts the prompt tokens taken from the cache.
+position 0), so a warm cache changes no log-prob. `prefix_hits` counts the prompt tokens
+taken from the cache. kimi-mini keeps it off (KDA's recurrent state is not in the paged cache).
 
 Weight sync. `set_adapter` / `clear_adapter` (parity models) and `update_weights` change the
 running engine's model in place between `generate` calls, and empty the prefix cache (nothing
@@ -274,7 +271,7 @@ class RolloutEngine:
         if prefix_caching is None:  # on where it is tested bitwise (see the module docstring)
             from vllm.platforms import current_platform
 
-            prefix_caching = parity and current_platform.is_cpu()
+            prefix_caching = parity and not isinstance(self.spec, KimiSpec) and current_platform.is_cpu()
         self.prefix_caching = prefix_caching
         self.prefix_hits = 0
         # Small KV cache and both cores, unless the user chose otherwise.

@@ -16,18 +16,12 @@ directories, whose tensors load_weights converts (parity/kimi_formats.py).
 
 Per-request state lives in vLLM's caches, so vLLM schedules, preempts and frees it:
 
-- KDA layers are vLLM `MambaBase` layers (the model implements `IsHybrid`): a state block holds
-  a request's conv state [K-1, 3HD] and recurrent state [H, dv, dk], fp32. The layer's own
-  mamba backend (`ParityKdaBackend`, registered as a new `MambaAttentionBackendEnum` member)
-  only turns vLLM's common metadata into each request's running state block, token count and
-  whether it continues a sequence (computed tokens > 0); a new sequence starts from zeros. The
-  batch is never reordered (no backend asks for it). Without prefix caching a request owns one
-  state block. With it (vLLM's mamba_cache_mode "align") a request has a state block per
-  block_size tokens, like its MLA pages: vLLM ends prefill chunks at block boundaries, so the
-  block of a boundary keeps the state after exactly that many tokens and is cached under the
-  same hash as the MLA block; a hit's last block is copied (bytes) into the request's running
-  block before its first step. The recurrence runs token by token, so that state is the one a
-  cold run carries to the boundary, bit for bit.
+- KDA layers are vLLM `MambaBase` layers (the model implements `IsHybrid`): each request owns
+  one state block holding its conv state [K-1, 3HD] and recurrent state [H, dv, dk], fp32.
+  The layer's own mamba backend (`ParityKdaBackend`, registered as a new
+  `MambaAttentionBackendEnum` member) only turns vLLM's common metadata into each request's
+  state block, token count and whether it continues a sequence (computed tokens > 0); a new
+  sequence starts from zeros. The batch is never reordered (no backend asks for it).
 - MLA layers hold a vLLM `Attention` layer with the parity backend (rollout.attention) only for
   its paged cache and metadata: the layer writes each new token's `mla_entries` cache entry
   (latent; RoPE key; index key: spec.mla_cache_width values in the model dtype, or with
@@ -70,7 +64,6 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
 
 from parity import fp8, kernels, kimi, kimi_formats
 from parity.kimi import Pair
@@ -108,18 +101,12 @@ class KdaMetadata:
 
 
 class ParityKdaMetadataBuilder(AttentionMetadataBuilder[KdaMetadata]):
-    """Each request's running state block. Without prefix caching (mamba_cache_mode "none") a
-    request owns one block, block_table[:, 0]. With it ("align") the block table runs over the
-    sequence in state blocks of block_size tokens and the running state sits in the block of
-    the step's last token, (seq_len - 1) // block_size, as in vLLM's own mamba backends: before
-    the step vLLM copies the state it continues from there (the previous step's block, or the
-    cached block a prefix hit ends at), and the block keeps the state this step ends at."""
+    """One request = one state block (mamba_cache_mode "none": block_table[:, 0])."""
 
     reorder_batch_threshold: ClassVar[int | None] = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.mamba_cache_mode = vllm_config.cache_config.mamba_cache_mode
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -130,14 +117,11 @@ class ParityKdaMetadataBuilder(AttentionMetadataBuilder[KdaMetadata]):
         qsl = cm.query_start_loc_cpu[: r + 1].to(torch.int64)
         query_lens = qsl[1:] - qsl[:-1]
         seq_lens = cm.seq_lens[:r].to(device="cpu", dtype=torch.int64)
-        blocks = mamba_get_block_table_tensor(
-            cm.block_table_tensor[:r], cm.seq_lens[:r], self.kv_cache_spec, self.mamba_cache_mode
-        )
         return KdaMetadata(
             num_reqs=r,
             num_query_tokens=int(qsl[-1]) if r else 0,
             query_lens=query_lens.tolist(),
-            state_index=blocks[:, 0].to(device="cpu", dtype=torch.int64),
+            state_index=cm.block_table_tensor[:r, 0].to(device="cpu", dtype=torch.int64),
             has_state=(seq_lens - query_lens) > 0,
         )
 
@@ -552,9 +536,7 @@ class ParityKimiLinearForCausalLM(nn.Module, SyncedModel):
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple:
-        # Prefix caching's "align" mode copies a request's (conv, recurrent) state from one of
-        # its state blocks to the next with these: the whole of each, as bytes (on the CPU
-        # vLLM's memmove override of the Triton copy kernel), so the bits move unchanged.
+        # Only prefix caching's "align" mode copies states; the engine runs without it.
         from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 
         return MambaStateCopyFuncCalculator.kda_state_copy_func()

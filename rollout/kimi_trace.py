@@ -1,10 +1,9 @@
 """The Kimi parity models' routing trace (kimi-mini and kimi-linear), a debug wrapper kept out
 of the production forward: forward hooks on a parity model's layers record, per engine step,
-each token's request key (the request's first MLA cache block: a KDA layer's state block moves
-along the sequence under prefix caching) and position, the experts each MoE layer chose and the
-positions each indexer selected. Tests compare that with the trainer's teacher-forced routing
-(`trace_by_request` reassembles the steps per request, which must have been computed from
-position 0: a prefix-cache hit skips positions). Nothing here runs unless a trace is on.
+each token's request key (the request's first state / cache block) and position, the experts
+each MoE layer chose and the positions each indexer selected. Tests compare that with the
+trainer's teacher-forced routing (`trace_by_request` reassembles the steps per request).
+Nothing here runs unless a trace is on.
 
 The hooks recompute what they report from the layer's inputs, with the model's own functions:
 the router (`parity.kimi.route_module`, a pure function of the hidden states) and the MLA
@@ -62,18 +61,22 @@ class RoutingTrace:
             if meta is None:  # profiling / warm-up run
                 return
             n = meta.num_query_tokens
-            self._n = n
-            if kind == "kda":
-                return
             step = self._step
-            positions, h = args
-            _, _, selected, count = module.select(meta, positions, h)
-            step[f"layers.{i}.self_attn.selected"] = selected.clone()
-            step[f"layers.{i}.self_attn.count"] = count.clone()
-            if "keys" not in step:  # the first MLA layer names the requests
+            if kind == "kda":
+                key = meta.state_index
+                q_seq = torch.repeat_interleave(torch.arange(meta.num_reqs), torch.tensor(meta.query_lens))
+            else:
+                positions, h = args
+                _, _, selected, count = module.select(meta, positions, h)
                 key = meta.block_table[:, 0].to(device="cpu", dtype=torch.int64)
-                step["keys"] = key[meta.q_seq].clone()
-                step["positions"] = self._positions[:n].to(torch.int64).clone()
+                q_seq = meta.q_seq
+                step[f"layers.{i}.self_attn.selected"] = selected.clone()
+                step[f"layers.{i}.self_attn.count"] = count.clone()
+            if "keys" not in step:  # the first layer that ran names the requests
+                positions = self._positions
+                step["keys"] = key[q_seq].clone()
+                step["positions"] = positions[:n].to(torch.int64).clone()
+            self._n = n
 
         return hook
 
@@ -91,7 +94,7 @@ class RoutingTrace:
 def trace_by_request(steps: list[dict]) -> list[dict[str, torch.Tensor]]:
     """Per request (in order of first appearance at position 0), over the positions 0..P-1 the
     engine processed: {"layers.{i}.mlp.experts": int64 [P, k], "layers.{i}.self_attn.selected":
-    int64 [P, topk], "layers.{i}.self_attn.count": [P]}. A key (the request's first MLA block) is
+    int64 [P, topk], "layers.{i}.self_attn.count": [P]}. A key (the request's first block) is
     reused after its request ends; a token at position 0 always starts a new request."""
     requests: list[dict[str, list]] = []
     live: dict[int, int] = {}

