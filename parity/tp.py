@@ -68,6 +68,16 @@ def row_splits(num_heads: int, num_kv_heads: int, intermediate_size: int) -> int
     return math.gcd(num_heads, num_kv_heads, intermediate_size)
 
 
+def check_ordered_vocab(spec, size: int) -> None:
+    """ValueError unless the trainer's ordered backward can run at `size` ranks: it sums the LM
+    head's input gradient in row_splits slices of the vocabulary, so a rank's vocabulary rows
+    must be whole slices."""
+    splits = row_splits(spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
+    if size > 1 and spec.vocab_size % splits:
+        raise ValueError(f"at trainer.tensor_parallel_size {size} needs the vocabulary ({spec.vocab_size}) "
+                         f"divisible by the model's row_splits ({splits}); use trainer.tensor_parallel_size 1")
+
+
 def fused_k_splits(spec, fused: str, size: int = 1) -> int:
     """The K-slices a rank of `size` computes for fused linear `fused` of `spec`
     (parity.model_spec.ModelSpec): its share of row_splits for a row-parallel layer, 1 (one

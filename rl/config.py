@@ -514,17 +514,13 @@ def _check_tensor_parallel(cfg: Config, sources: _Sources, model_dir: Path) -> N
 
 
 def _check_ordered_vocab(sources: _Sources, model_dir: Path, trainer_tp: int) -> None:
-    """The ordered backward at TP > 1 sums the LM head's input gradient in the model's
-    row_splits slices of the vocabulary: a rank's vocabulary rows must be whole slices."""
     from parity.model_spec import load_spec
-    from parity.tp import row_splits
+    from parity.tp import check_ordered_vocab
 
-    spec = load_spec(model_dir)
-    splits = row_splits(spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
-    if spec.vocab_size % splits:
-        raise sources.error("trainer.deterministic_layout", f"at trainer.tensor_parallel_size {trainer_tp} needs "
-                            f"the vocabulary ({spec.vocab_size}) divisible by the model's row_splits ({splits}); "
-                            "use trainer.tensor_parallel_size 1")
+    try:
+        check_ordered_vocab(load_spec(model_dir), trainer_tp)
+    except ValueError as e:
+        raise sources.error("trainer.deterministic_layout", str(e)) from None
 
 
 def _check_model_fit(cfg: Config, sources: _Sources, model_dir: Path) -> None:

@@ -30,7 +30,7 @@ from torch import Tensor
 from parity.autograd import ordered_backward
 from parity.model_spec import KimiSpec, load_spec
 from parity.sampling import Sampling
-from parity.tp import row_splits
+from parity.tp import check_ordered_vocab
 from trainer.config import AlgorithmConfig, LoraConfig, TrainerConfig
 from trainer.ppo import (
     entropy_from_logits,
@@ -174,14 +174,11 @@ class PolicyStep(ABC):
                              f"dense model (the parity attention takes the packed layout); got "
                              f"{self.config.backend}, parity {parity}, {self.spec.arch}")
         tp_size = self.config.tensor_parallel_size
-        if self.config.deterministic_layout and tp_size > 1 and not isinstance(self.spec, KimiSpec):
-            s = self.spec
-            splits = row_splits(s.num_heads, s.num_kv_heads, s.intermediate_size)
-            if s.vocab_size % splits:
-                raise ValueError(f"trainer.deterministic_layout at trainer.tensor_parallel_size {tp_size} needs "
-                                 f"the vocabulary ({s.vocab_size}) divisible by the model's row_splits "
-                                 f"({splits}), so that a rank's LM-head rows are whole slices of its "
-                                 "gradient's fixed order")
+        if self.config.deterministic_layout and not isinstance(self.spec, KimiSpec):
+            try:
+                check_ordered_vocab(self.spec, tp_size)
+            except ValueError as e:
+                raise ValueError(f"trainer.deterministic_layout: {e}") from None
 
     def _check_configs(self) -> None:
         if self.config.tensor_parallel_size > 1 and not self.lora_config.enabled:
